@@ -1,0 +1,304 @@
+"""Errors and warnings raised by attn_di.
+
+Every error is an :class:`AttnDIError` and also the builtin exception that callers
+already catch, so ``except ValueError`` keeps working where vLLM raised one::
+
+    AttnDIError (Exception)
+    ├── UnknownBackendError (ValueError, KeyError)      unknown member name
+    ├── BackendNotRegisteredError (ValueError)          member without a path (CUSTOM)
+    ├── BackendImportError (ImportError)                a path that does not import
+    ├── InvalidClassPathError (ValueError)              a malformed dotted path
+    ├── InvalidBackendTypeError (TypeError)             an argument of the wrong kind
+    ├── InvalidBackendNameError (ValueError)            a runtime member name refused
+    ├── UnexportableBackendError (ValueError)           a class with no importable path
+    ├── UnsupportedFeatureError (NotImplementedError)   an impl asked for a feature it lacks
+    └── InvalidInputError (ValueError)                  a tensor or size that does not fit
+
+    AttnDIWarning (UserWarning)
+    └── AttnDIDeprecationWarning (DeprecationWarning)
+
+The data lives on the exception as attributes; the message is rendered by
+``__str__`` and ends with a ``Hint:`` line when there is something to suggest.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+
+__all__ = [
+    "AttnDIDeprecationWarning",
+    "AttnDIError",
+    "AttnDIWarning",
+    "BackendImportError",
+    "BackendNotRegisteredError",
+    "InvalidBackendNameError",
+    "InvalidBackendTypeError",
+    "InvalidClassPathError",
+    "InvalidInputError",
+    "UnexportableBackendError",
+    "UnknownBackendError",
+    "UnsupportedFeatureError",
+]
+
+
+def closest_name(name: str, choices: Iterable[str]) -> str | None:
+    """Return the choice closest to ``name`` (case-insensitive), or None if nothing is close."""
+    by_upper = {choice.upper(): choice for choice in choices}
+    wanted = name.strip().upper()
+    if wanted in by_upper:
+        return by_upper[wanted]
+    matches = difflib.get_close_matches(wanted, list(by_upper), n=1, cutoff=0.6)
+    return by_upper[matches[0]] if matches else None
+
+
+class AttnDIError(Exception):
+    """Base class of every error attn_di raises.
+
+    Subclasses keep their inputs as attributes and render the message in
+    :meth:`message`; :attr:`hint`, when not None, is appended as ``Hint: ...``.
+    """
+
+    hint: str | None = None
+
+    def message(self) -> str:
+        """The message without the hint."""
+        return super().__str__()
+
+    def __str__(self) -> str:
+        text = self.message()
+        if self.hint:
+            text = f"{text}\nHint: {self.hint}"
+        return text
+
+
+class UnknownBackendError(AttnDIError, ValueError, KeyError):
+    """A backend name that is not a member of the enum.
+
+    Attributes:
+        name: the name asked for, as given.
+        choices: every valid member name, in enum order.
+        suggestion: the closest valid name, or None.
+    """
+
+    def __init__(self, name: object, choices: Sequence[str]) -> None:
+        super().__init__(name, tuple(choices))
+        self.name = name
+        self.choices = tuple(choices)
+        self.suggestion = closest_name(name, self.choices) if isinstance(name, str) else None
+        self.hint = (
+            f"did you mean {self.suggestion!r}?"
+            if self.suggestion
+            else "see `AttentionBackendEnum.__members__`, or add one with "
+            "`AttentionBackendEnum.register(name, class_path)`"
+        )
+
+    def message(self) -> str:
+        return f"unknown attention backend {self.name!r}; valid names: {', '.join(self.choices)}"
+
+
+class BackendNotRegisteredError(AttnDIError, ValueError):
+    """A member with no class path (CUSTOM) was resolved before anything was registered for it.
+
+    Attributes:
+        member: the member's name.
+    """
+
+    def __init__(self, member: str) -> None:
+        super().__init__(member)
+        self.member = member
+        self.hint = (
+            f'register one first: `register_backend(AttentionBackendEnum.{member}, "pkg.mod.Class")`'
+            f" or decorate the class with `@register_backend(AttentionBackendEnum.{member})`"
+        )
+
+    def message(self) -> str:
+        return f"attention backend {self.member} has no class path: nothing is registered for it"
+
+
+class BackendImportError(AttnDIError, ImportError):
+    """A backend's dotted class path does not import.
+
+    Attributes:
+        member: the member's name.
+        class_path: the path that was imported.
+        reason: one of ``"module not found"``, ``"attribute not found"``,
+            ``"module failed to import"``; the original exception is chained as ``__cause__``.
+        detail: the original error's text.
+        suggestion: for a missing attribute, the closest name the module has, else None.
+    """
+
+    MODULE_NOT_FOUND = "module not found"
+    ATTRIBUTE_NOT_FOUND = "attribute not found"
+    MODULE_FAILED = "module failed to import"
+
+    def __init__(
+        self,
+        member: str,
+        class_path: str,
+        reason: str,
+        detail: str,
+        suggestion: str | None = None,
+    ) -> None:
+        super().__init__(member, class_path, reason, detail, suggestion)
+        self.member = member
+        self.class_path = class_path
+        self.reason = reason
+        self.detail = detail
+        self.suggestion = suggestion
+        if reason == self.ATTRIBUTE_NOT_FOUND and suggestion:
+            self.hint = f"did you mean {suggestion!r}?"
+        elif reason == self.MODULE_NOT_FOUND:
+            self.hint = (
+                "install the package that provides it, or register another class with "
+                f"`register_backend(AttentionBackendEnum.{member}, ...)`"
+            )
+        elif reason == self.MODULE_FAILED:
+            self.hint = "the module exists but raised while importing: see the chained exception"
+        else:
+            self.hint = f"check the class name, or register another class for {member}"
+
+    def message(self) -> str:
+        return (
+            f"cannot import attention backend {self.member} from {self.class_path!r}: "
+            f"{self.reason} ({self.detail})"
+        )
+
+
+class InvalidClassPathError(AttnDIError, ValueError):
+    """A class path that is not ``pkg.module.Class`` or ``pkg.module:Class``.
+
+    Attributes:
+        class_path: the string given.
+        reason: why it was refused.
+    """
+
+    def __init__(self, class_path: str, reason: str) -> None:
+        super().__init__(class_path, reason)
+        self.class_path = class_path
+        self.reason = reason
+        self.hint = 'give a dotted path such as "my_pkg.attention.MyBackend"'
+
+    def message(self) -> str:
+        return f"invalid backend class path {self.class_path!r}: {self.reason}"
+
+
+class InvalidBackendTypeError(AttnDIError, TypeError):
+    """An argument of the wrong kind (e.g. an instance where a class or a path is expected).
+
+    Attributes:
+        argument: the parameter's name.
+        value: the value given.
+        expected: what was expected, in words.
+    """
+
+    def __init__(self, argument: str, value: object, expected: str) -> None:
+        super().__init__(argument, value, expected)
+        self.argument = argument
+        self.value = value
+        self.expected = expected
+        self.hint = None
+        if not isinstance(value, type) and isinstance(getattr(value, "__class__", None), type):
+            self.hint = f"pass the class itself, e.g. {type(value).__qualname__}, not an instance"
+
+    def message(self) -> str:
+        return (
+            f"{self.argument} must be {self.expected}, got {type(self.value).__qualname__}: "
+            f"{self.value!r}"
+        )
+
+
+class InvalidBackendNameError(AttnDIError, ValueError):
+    """A name refused for a new runtime member.
+
+    Attributes:
+        name: the name given.
+        reason: why it was refused.
+        existing: the existing member it collides with, if any.
+    """
+
+    def __init__(self, name: object, reason: str, existing: str | None = None) -> None:
+        super().__init__(name, reason, existing)
+        self.name = name
+        self.reason = reason
+        self.existing = existing
+        self.hint = (
+            f"use `register_backend(AttentionBackendEnum.{existing}, ...)` to override it"
+            if existing
+            else "use an upper-case Python identifier such as 'MY_BACKEND'"
+        )
+
+    def message(self) -> str:
+        return f"cannot add attention backend {self.name!r}: {self.reason}"
+
+
+class UnexportableBackendError(AttnDIError, ValueError):
+    """A registered class that another process could not import by its path.
+
+    Attributes:
+        member: the member's name.
+        class_path: the path computed from the class (``module.qualname``).
+        reason: why that path does not lead back to the class.
+    """
+
+    def __init__(self, member: str, class_path: str, reason: str) -> None:
+        super().__init__(member, class_path, reason)
+        self.member = member
+        self.class_path = class_path
+        self.reason = reason
+        self.hint = (
+            "define the class at module level in an importable module, or register it "
+            "by its dotted path"
+        )
+
+    def message(self) -> str:
+        return (
+            f"cannot export the registration of {self.member}: class {self.class_path!r} "
+            f"{self.reason}"
+        )
+
+
+class UnsupportedFeatureError(AttnDIError, NotImplementedError):
+    """An attention impl was asked for a feature its backend does not implement.
+
+    Attributes:
+        backend: the backend's name.
+        feature: the feature, e.g. ``"sliding_window"``.
+        supported_by: names of backends that support it, for the hint.
+    """
+
+    def __init__(self, backend: str, feature: str, supported_by: Sequence[str] = ()) -> None:
+        super().__init__(backend, feature, tuple(supported_by))
+        self.backend = backend
+        self.feature = feature
+        self.supported_by = tuple(supported_by)
+        self.hint = f"use {' or '.join(self.supported_by)}" if self.supported_by else None
+
+    def message(self) -> str:
+        return f"{self.backend} does not support {self.feature}"
+
+
+class InvalidInputError(AttnDIError, ValueError):
+    """A tensor, size or option that does not fit what the call expects.
+
+    Attributes:
+        argument: the name of the offending input (e.g. ``"key"``).
+        problem: what is wrong, naming shapes and dtypes.
+    """
+
+    def __init__(self, argument: str, problem: str, hint: str | None = None) -> None:
+        super().__init__(argument, problem, hint)
+        self.argument = argument
+        self.problem = problem
+        self.hint = hint
+
+    def message(self) -> str:
+        return f"{self.argument}: {self.problem}"
+
+
+class AttnDIWarning(UserWarning):
+    """Base class of attn_di's warnings."""
+
+
+class AttnDIDeprecationWarning(AttnDIWarning, DeprecationWarning):
+    """A deprecated attn_di API was used."""
