@@ -108,8 +108,9 @@ class BackendNotRegisteredError(AttnDIError, ValueError):
         super().__init__(member)
         self.member = member
         self.hint = (
-            f'register one first: `register_backend(AttentionBackendEnum.{member}, "pkg.mod.Class")`'
-            f" or decorate the class with `@register_backend(AttentionBackendEnum.{member})`"
+            f"register one first: `register_backend(AttentionBackendEnum.{member}, "
+            f'"pkg.mod.Class")` or decorate the class with '
+            f"`@register_backend(AttentionBackendEnum.{member})`"
         )
 
     def message(self) -> str:

@@ -1,0 +1,106 @@
+"""Override layers: the handle returned by ``container.override(...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from attn_di._paths import check_class_path
+from attn_di._provider import LOCAL_LAYERS, STATE_LOCK, Layer, Target
+from attn_di.exceptions import InvalidBackendTypeError
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from attn_di._enum import AttentionBackendEnum
+
+__all__ = ["BackendOverride", "override_target"]
+
+
+class BackendOverride:
+    """One override layer, active from creation until :meth:`restore` (or the ``with`` exit).
+
+    Exiting removes exactly this layer: other layers, entered before or after and exited in
+    any order, stay; registrations made meanwhile are kept. Restoring twice is a no-op.
+    A local layer is removed from the context (thread / asyncio task) it is restored in.
+
+    Attributes:
+        impls: ``{member: impl}`` as given.
+        local: whether the layer is context-local.
+    """
+
+    def __init__(
+        self, container: object, layer: Layer, impls: Mapping[AttentionBackendEnum, Any]
+    ) -> None:
+        self._container = container
+        self._layer = layer
+        self.impls = dict(impls)
+        self.local = layer.local
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        """True until restored."""
+        return self._active
+
+    def apply(self) -> None:
+        """Put the layer in place (done by ``container.override``)."""
+        if self._layer.local:
+            LOCAL_LAYERS.set((*LOCAL_LAYERS.get(), self._layer))
+        else:
+            with STATE_LOCK:
+                for provider, target in self._layer.targets.items():
+                    provider.push_layer(self._layer, target)
+        self._active = bool(self._layer.targets)
+
+    def restore(self) -> None:
+        """Remove this layer (and nothing else). No-op if already removed."""
+        if not self._active:
+            return
+        self._active = False
+        if self._layer.local:
+            layer = self._layer
+            LOCAL_LAYERS.set(tuple(entry for entry in LOCAL_LAYERS.get() if entry is not layer))
+            return
+        with STATE_LOCK:
+            for provider in self._layer.targets:
+                provider.remove_layer(self._layer)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.restore()
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"{member.name}={_describe(impl)}" for member, impl in self.impls.items())
+        state = "active" if self._active else "restored"
+        kind = "local " if self.local else ""
+        return f"<BackendOverride {kind}{state}: {names}>"
+
+
+def override_target(impl: object, *, local: bool) -> Target:
+    """The :class:`Target` of an override.
+
+    Raises:
+        InvalidClassPathError: a malformed path string.
+        InvalidBackendTypeError: None or a non-callable object.
+    """
+    source = "local override" if local else "override"
+    if isinstance(impl, str):
+        return Target(check_class_path(impl), source=source)
+    if impl is None or not callable(impl):
+        raise InvalidBackendTypeError(
+            "impl", impl, "a backend class, a dotted class path, or a callable test double"
+        )
+    return Target.of_object(impl, source=source)
+
+
+def _describe(impl: object) -> str:
+    return impl if isinstance(impl, str) else getattr(impl, "__qualname__", repr(impl))

@@ -1,0 +1,255 @@
+"""``BackendProvider``: the lazy dependency-injector provider behind one enum member.
+
+Resolution order, first hit wins:
+
+1. dependency-injector's own ``provider.override(...)`` (honoured by its ``__call__``);
+2. context-local override layers (this thread / asyncio task only), newest first;
+3. global override layers (``with container.override(...)``), newest first;
+4. the registration (``register_backend``);
+5. the member's default class path.
+
+Registrations and override layers live apart, so neither ever undoes the other, and a
+layer is removed by identity: exits may come in any order. The resolved class of steps
+3-5 is cached; every change bumps a version under a lock so that a resolution racing
+with a change never stores a stale class. No lock is held while importing.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+from dependency_injector import providers
+
+from attn_di._paths import import_class_path, module_part, path_of
+from attn_di.exceptions import BackendNotRegisteredError
+
+if TYPE_CHECKING:
+    from attn_di._enum import AttentionBackendEnum
+
+__all__ = ["LOCAL_LAYERS", "STATE_LOCK", "BackendProvider", "Layer", "Target"]
+
+# One lock for every registry mutation (rare); readers never take it on the fast path.
+STATE_LOCK = threading.RLock()
+
+_UNSET: Any = object()
+
+
+class Target:
+    """What a member resolves to: a dotted path, an object, or both.
+
+    A path is imported on first :meth:`load` and the result kept.
+    """
+
+    __slots__ = ("_obj", "path", "source")
+
+    def __init__(self, path: str | None, obj: Any = _UNSET, *, source: str) -> None:
+        self.path = path
+        self._obj = obj
+        self.source = source
+
+    @classmethod
+    def of_object(cls, obj: Any, *, source: str) -> Target:
+        """A target for a class (or any object, e.g. a mock) given directly."""
+        return cls(path_of(obj), obj, source=source)
+
+    @property
+    def has_object(self) -> bool:
+        """True when the object was given directly rather than by path."""
+        return self._obj is not _UNSET
+
+    def load(self, member: str) -> Any:
+        """The target object, importing its path the first time.
+
+        Raises:
+            BackendImportError: the path does not import.
+        """
+        obj = self._obj
+        if obj is _UNSET:
+            assert self.path is not None
+            obj = self._obj = import_class_path(self.path, member)
+        return obj
+
+    def __repr__(self) -> str:
+        return f"Target({self.path!r}, source={self.source!r})"
+
+
+class Layer:
+    """One override block: the targets it sets, per provider."""
+
+    __slots__ = ("__weakref__", "local", "targets")
+
+    def __init__(self, targets: dict[BackendProvider, Target], *, local: bool) -> None:
+        self.targets = targets
+        self.local = local
+
+
+LOCAL_LAYERS: ContextVar[tuple[Layer, ...]] = ContextVar("attn_di_local_layers", default=())
+
+
+class BackendProvider(providers.Provider[Any]):
+    """Lazily provides the backend class of one :class:`AttentionBackendEnum` member.
+
+    Calling it returns the class (nothing is imported before the first call). It is what
+    ``Provide[BackendContainer.TRITON_ATTN]`` injects. Use the container's methods to
+    register and override; this class holds the per-container state.
+    """
+
+    def __init__(self, member: AttentionBackendEnum) -> None:
+        self.member = member
+        self.name = member.name
+        self._default = _default_target(member)
+        self._registered: Target | None = None
+        self._layers: list[tuple[Layer, Target]] = []
+        self._cached: Any = None
+        self._version = 0
+        super().__init__()
+
+    # -- resolution -------------------------------------------------------------------
+    def _provide(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.resolve()
+
+    def resolve(self) -> Any:
+        """The backend class, ignoring dependency-injector's own overrides (see ``__call__``).
+
+        Raises:
+            BackendNotRegisteredError: no override, registration or default path.
+            BackendImportError: the path does not import.
+        """
+        local = LOCAL_LAYERS.get()
+        if local:
+            target = self._local_target(local)
+            if target is not None:
+                return target.load(self.name)
+        cached = self._cached
+        if cached is not None:
+            return cached
+        version = self._version
+        resolved = self._require(self.global_target()).load(self.name)
+        with STATE_LOCK:
+            if self._version == version and not self.overridden:
+                self._cached = resolved
+        return resolved
+
+    def effective_target(self) -> Target | None:
+        """The target a call in this context would use (dependency-injector overrides aside)."""
+        local = LOCAL_LAYERS.get()
+        if local:
+            target = self._local_target(local)
+            if target is not None:
+                return target
+        return self.global_target()
+
+    def global_target(self) -> Target | None:
+        """The newest global layer's target, else the registration, else the default."""
+        layers = self._layers
+        if layers:
+            return layers[-1][1]
+        return self._registered or self._default
+
+    def get_path(self, include_classname: bool = True) -> str:
+        """The class path of the effective target (module part only if not include_classname).
+
+        Raises:
+            BackendNotRegisteredError: nothing to resolve to.
+        """
+        target = self._require(self.effective_target())
+        assert target.path is not None
+        if include_classname:
+            return target.path
+        if target.has_object:
+            return str(getattr(target.load(self.name), "__module__", module_part(target.path)))
+        return module_part(target.path)
+
+    def is_overridden(self) -> bool:
+        """True while a registration, a global or local layer, or a DI override is active."""
+        if self._registered is not None or self._layers or self.overridden:
+            return True
+        local = LOCAL_LAYERS.get()
+        return bool(local) and self._local_target(local) is not None
+
+    def source(self) -> str:
+        """Where the effective target comes from: "local override", "override",
+        "registered", "default", "di override" or "unset"."""
+        if self.overridden:
+            return "di override"
+        target = self.effective_target()
+        return "unset" if target is None else target.source
+
+    # -- state changes (called by the container, under STATE_LOCK) -------------------
+    def set_registration(self, target: Target | None) -> None:
+        """Replace the registration (None clears it)."""
+        self._registered = target
+        self.invalidate()
+
+    def push_layer(self, layer: Layer, target: Target) -> None:
+        """Add a global override layer on top."""
+        self._layers.append((layer, target))
+        self.invalidate()
+
+    def remove_layer(self, layer: Layer) -> None:
+        """Remove exactly this layer's entry, wherever it is in the stack."""
+        self._layers = [entry for entry in self._layers if entry[0] is not layer]
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget the cached class; bump the version so in-flight resolutions do not store."""
+        self._version += 1
+        self._cached = None
+
+    # -- dependency-injector hooks ---------------------------------------------------
+    def override(self, provider: Any) -> Any:
+        """dependency-injector's override (a stack above everything attn_di manages)."""
+        with STATE_LOCK:
+            self.invalidate()
+            return super().override(provider)
+
+    def reset_last_overriding(self) -> None:
+        with STATE_LOCK:
+            self.invalidate()
+            super().reset_last_overriding()
+
+    def reset_override(self) -> None:
+        with STATE_LOCK:
+            self.invalidate()
+            super().reset_override()
+
+    def __deepcopy__(self, memo: dict[int, Any] | None) -> BackendProvider:
+        memo = {} if memo is None else memo
+        copied = memo.get(id(self))
+        if copied is not None:
+            return copied  # type: ignore[no-any-return]
+        copied = BackendProvider(self.member)
+        copied._registered = self._registered
+        memo[id(self)] = copied
+        self._copy_overridings(copied, memo)
+        return copied
+
+    def __repr__(self) -> str:
+        target = self.effective_target()
+        where = "unset" if target is None else f"{target.path} ({target.source})"
+        return f"<BackendProvider {self.name} -> {where}>"
+
+    __str__ = __repr__
+
+    # -- helpers ----------------------------------------------------------------------
+    def _local_target(self, local: tuple[Layer, ...]) -> Target | None:
+        for layer in reversed(local):
+            target = layer.targets.get(self)
+            if target is not None:
+                return target
+        return None
+
+    def _require(self, target: Target | None) -> Target:
+        if target is None:
+            raise BackendNotRegisteredError(self.name)
+        return target
+
+
+def _default_target(member: AttentionBackendEnum) -> Target | None:
+    default_cls = getattr(member, "_default_cls_", _UNSET)
+    if default_cls is not _UNSET:
+        return Target(member.default_path, default_cls, source="default")
+    path = member.default_path
+    return None if path is None else Target(path, source="default")
