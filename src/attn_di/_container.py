@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
@@ -53,6 +53,7 @@ class _ContainerAPI:
     wired_to_modules: list[Any]
     wired_to_packages: list[Any]
     _by_key: dict[object, BackendProvider]
+    _resolved: dict[object, type[Any]]
     _warn_unresolved: bool
 
     # -- resolving --------------------------------------------------------------------
@@ -65,13 +66,10 @@ class _ContainerAPI:
             BackendImportError: its path does not import.
         """
         if not LOCAL_LAYERS.get():
-            cached: type[Any] | None
             try:
-                cached = self._by_key[member]._cached
+                return self._resolved[member]
             except (KeyError, TypeError):
-                cached = None
-            if cached is not None:
-                return cached
+                pass
         provider = self.provider(member)
         if provider.overridden:
             return cast("type[Any]", provider())
@@ -117,7 +115,7 @@ class _ContainerAPI:
                     raise InvalidBackendTypeError(
                         "backend_cls", backend_cls, "a class (use register_backend as @decorator)"
                     )
-                self._register(member, Target.of_object(backend_cls, source="registered"))
+                self._register(member, Target.of_object(backend_cls, "registered"))
                 return backend_cls
 
             return decorator
@@ -147,7 +145,7 @@ class _ContainerAPI:
             if target is None and name in _BUILTIN_NAMES:
                 continue
             target = target or provider._default
-            if target is None or target.path is None:
+            if target is None:
                 continue
             if target.has_object and not resolves_to(target.path, target.load(name)):
                 raise UnexportableBackendError(
@@ -176,7 +174,7 @@ class _ContainerAPI:
             _check_key_or_new_name(name)
         for name, class_path in snapshot.items():
             if name in AttentionBackendEnum.__members__:
-                self._register(name, Target(class_path, source="registered"))
+                self._register(name, Target.of_path(class_path, "registered"))
             else:
                 AttentionBackendEnum.register(name, class_path)
 
@@ -201,25 +199,24 @@ class _ContainerAPI:
         Raises:
             UnknownBackendError, InvalidBackendTypeError, InvalidClassPathError: nothing changes.
         """
-        if containers.is_container(member) and impl is _MISSING:
-            containers.DynamicContainer.override(self, member)  # type: ignore[arg-type]
-            return BackendOverride(self, Layer({}, local=False), {})
-        if isinstance(member, Mapping):
-            if impl is not _MISSING:
+        if impl is not _MISSING:
+            if isinstance(member, Mapping):
                 raise InvalidBackendTypeError("impl", impl, "omitted when a mapping is given")
-            requested = dict(member)
-        elif impl is _MISSING:
-            raise InvalidBackendTypeError("impl", None, "given (the class to use)")
+            requested: Iterable[tuple[Any, Any]] = ((member, impl),)
+        elif isinstance(member, Mapping):
+            requested = member.items()
+        elif containers.is_container(member):
+            containers.DynamicContainer.override(self, member)  # type: ignore[arg-type]
+            return BackendOverride(Layer({}, False), {})
         else:
-            requested = {member: impl}
+            raise InvalidBackendTypeError("impl", None, "given (the class to use)")
         targets: dict[BackendProvider, Target] = {}
         impls: dict[AttentionBackendEnum, Any] = {}
-        for key, value in requested.items():
+        for key, value in requested:
             provider = self.provider(key)
             targets[provider] = override_target(value, local=local)
             impls[provider.member] = value
-        layer = Layer(targets, local=local)
-        handle = BackendOverride(self, layer, impls)
+        handle = BackendOverride(Layer(targets, local), impls)
         handle.apply()
         return handle
 
@@ -250,7 +247,6 @@ class _ContainerAPI:
     # -- internals --------------------------------------------------------------------
     def _register(self, member: BackendKey, target: Target) -> None:
         if isinstance(member, str) and member not in AttentionBackendEnum.__members__:
-            assert target.path is not None
             add_runtime_member(
                 member, target.path, target.load(member) if target.has_object else None
             )
@@ -277,6 +273,7 @@ class _BackendContainerInstance(_ContainerAPI, containers.DynamicContainer):  # 
 
     def __init__(self) -> None:
         self._by_key = {}
+        self._resolved = {}
         self._warn_unresolved = False
         super().__init__()
         _live_containers.add(self)
@@ -286,6 +283,7 @@ class _BackendContainerInstance(_ContainerAPI, containers.DynamicContainer):  # 
         if isinstance(value, BackendProvider):
             self._by_key[value.member] = value
             self._by_key[value.name] = value
+            value.attach(self._resolved)
 
 
 if TYPE_CHECKING:
@@ -464,9 +462,9 @@ def register_backend(
 
 def _registration_target(class_path: object) -> Target:
     if isinstance(class_path, str):
-        return Target(check_class_path(class_path), source="registered")
+        return Target.of_path(check_class_path(class_path), "registered")
     if isinstance(class_path, type):
-        return Target.of_object(class_path, source="registered")
+        return Target.of_object(class_path, "registered")
     raise InvalidBackendTypeError("class_path", class_path, "a dotted path string or a class")
 
 

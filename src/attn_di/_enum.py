@@ -114,6 +114,12 @@ class AttentionBackendEnum(Enum, metaclass=_BackendEnumMeta):
             BackendImportError: the path does not import (module or attribute missing, or the
                 module failing on import).
         """
+        container = _container._default
+        if container is not None and not _provider.LOCAL_LAYERS.get():
+            try:
+                return container._resolved[self]  # the container's warm-path cache
+            except KeyError:
+                pass
         return _container.get_container().backend(self)
 
     def is_overridden(self) -> bool:
@@ -226,4 +232,5 @@ def _add_member(name: str, class_path: str) -> AttentionBackendEnum:
     return member
 
 
-from attn_di import _container  # noqa: E402  (cycle: the container declares one provider per member)
+# Imported last (a cycle): the container declares one provider per member of the enum above.
+from attn_di import _container, _provider  # noqa: E402

@@ -30,12 +30,9 @@ class BackendOverride:
         local: whether the layer is context-local.
     """
 
-    def __init__(
-        self, container: object, layer: Layer, impls: Mapping[AttentionBackendEnum, Any]
-    ) -> None:
-        self._container = container
+    def __init__(self, layer: Layer, impls: Mapping[AttentionBackendEnum, Any]) -> None:
         self._layer = layer
-        self.impls = dict(impls)
+        self.impls = impls
         self.local = layer.local
         self._active = False
 
@@ -94,12 +91,12 @@ def override_target(impl: object, *, local: bool) -> Target:
     """
     source = "local override" if local else "override"
     if isinstance(impl, str):
-        return Target(check_class_path(impl), source=source)
+        return Target.of_path(check_class_path(impl), source)
     if impl is None or not callable(impl):
         raise InvalidBackendTypeError(
             "impl", impl, "a backend class, a dotted class path, or a callable test double"
         )
-    return Target.of_object(impl, source=source)
+    return Target.of_object(impl, source)
 
 
 def _describe(impl: object) -> str:

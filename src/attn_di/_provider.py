@@ -42,17 +42,30 @@ class Target:
     A path is imported on first :meth:`load` and the result kept.
     """
 
-    __slots__ = ("_obj", "path", "source")
+    __slots__ = ("_obj", "_path", "source")
 
-    def __init__(self, path: str | None, obj: Any = _UNSET, *, source: str) -> None:
-        self.path = path
+    def __init__(self, path: str | None, obj: Any, source: str) -> None:
+        self._path = path
         self._obj = obj
         self.source = source
 
     @classmethod
-    def of_object(cls, obj: Any, *, source: str) -> Target:
+    def of_path(cls, path: str, source: str) -> Target:
+        """A target for a dotted path, imported on first :meth:`load`."""
+        return cls(path, _UNSET, source)
+
+    @classmethod
+    def of_object(cls, obj: Any, source: str) -> Target:
         """A target for a class (or any object, e.g. a mock) given directly."""
-        return cls(path_of(obj), obj, source=source)
+        return cls(None, obj, source)
+
+    @property
+    def path(self) -> str:
+        """The dotted path: as given, or ``module.qualname`` of the object given."""
+        path = self._path
+        if path is None:
+            path = self._path = path_of(self._obj)
+        return path
 
     @property
     def has_object(self) -> bool:
@@ -67,7 +80,6 @@ class Target:
         """
         obj = self._obj
         if obj is _UNSET:
-            assert self.path is not None
             obj = self._obj = import_class_path(self.path, member)
         return obj
 
@@ -80,7 +92,7 @@ class Layer:
 
     __slots__ = ("__weakref__", "local", "targets")
 
-    def __init__(self, targets: dict[BackendProvider, Target], *, local: bool) -> None:
+    def __init__(self, targets: dict[BackendProvider, Target], local: bool) -> None:
         self.targets = targets
         self.local = local
 
@@ -102,9 +114,16 @@ class BackendProvider(providers.Provider[Any]):
         self._default = _default_target(member)
         self._registered: Target | None = None
         self._layers: list[tuple[Layer, Target]] = []
-        self._cached: Any = None
         self._version = 0
+        # The owning container's {member: class, name: class} fast-path cache (see attach).
+        self._index: dict[object, Any] = {}
         super().__init__()
+
+    def attach(self, index: dict[object, Any]) -> None:
+        """Share the owning container's fast-path cache (filled on resolve, cleared on change)."""
+        with STATE_LOCK:
+            self._index = index
+            self.invalidate()
 
     # -- resolution -------------------------------------------------------------------
     def _provide(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -122,14 +141,14 @@ class BackendProvider(providers.Provider[Any]):
             target = self._local_target(local)
             if target is not None:
                 return target.load(self.name)
-        cached = self._cached
+        cached = self._index.get(self.name)
         if cached is not None:
             return cached
         version = self._version
         resolved = self._require(self.global_target()).load(self.name)
         with STATE_LOCK:
             if self._version == version and not self.overridden:
-                self._cached = resolved
+                self._index[self.member] = self._index[self.name] = resolved
         return resolved
 
     def effective_target(self) -> Target | None:
@@ -155,7 +174,6 @@ class BackendProvider(providers.Provider[Any]):
             BackendNotRegisteredError: nothing to resolve to.
         """
         target = self._require(self.effective_target())
-        assert target.path is not None
         if include_classname:
             return target.path
         if target.has_object:
@@ -190,13 +208,19 @@ class BackendProvider(providers.Provider[Any]):
 
     def remove_layer(self, layer: Layer) -> None:
         """Remove exactly this layer's entry, wherever it is in the stack."""
-        self._layers = [entry for entry in self._layers if entry[0] is not layer]
+        layers = self._layers
+        if layers and layers[-1][0] is layer:  # the usual, nested case
+            layers.pop()
+        else:
+            self._layers = [entry for entry in layers if entry[0] is not layer]
         self.invalidate()
 
     def invalidate(self) -> None:
         """Forget the cached class; bump the version so in-flight resolutions do not store."""
         self._version += 1
-        self._cached = None
+        index = self._index
+        index.pop(self.member, None)
+        index.pop(self.name, None)
 
     # -- dependency-injector hooks ---------------------------------------------------
     def override(self, provider: Any) -> Any:
@@ -250,6 +274,6 @@ class BackendProvider(providers.Provider[Any]):
 def _default_target(member: AttentionBackendEnum) -> Target | None:
     default_cls = getattr(member, "_default_cls_", _UNSET)
     if default_cls is not _UNSET:
-        return Target(member.default_path, default_cls, source="default")
+        return Target(member.default_path, default_cls, "default")
     path = member.default_path
-    return None if path is None else Target(path, source="default")
+    return None if path is None else Target.of_path(path, "default")
