@@ -58,10 +58,7 @@ def _ns_per_call(stmt: str, namespace: dict[str, Any], repeat: int = 7) -> float
 
 
 def _import_ms(code: str, runs: int) -> float:
-    script = (
-        "import time; t = time.perf_counter(); "
-        f"{code}; print((time.perf_counter() - t) * 1e3)"
-    )
+    script = f"import time; t = time.perf_counter(); {code}; print((time.perf_counter() - t) * 1e3)"
     times = [
         float(subprocess.check_output([sys.executable, "-c", script], text=True))
         for _ in range(runs)
@@ -128,8 +125,11 @@ def measure(import_runs: int = 15) -> list[tuple[str, float, str]]:
     baseline = results["baseline get_class() (vLLM 0.11 style)"]
     rows: list[tuple[str, float, str]] = [(k, v, "ns") for k, v in results.items()]
     rows += [
-        ("speed-up: container.backend vs baseline", baseline / results[
-            "container.backend(member)"], "x"),
+        (
+            "speed-up: container.backend vs baseline",
+            baseline / results["container.backend(member)"],
+            "x",
+        ),
         ("speed-up: member.get_class vs baseline", baseline / results["member.get_class()"], "x"),
         (
             "override enter+exit: attn_di / dependency-injector",

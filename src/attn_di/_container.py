@@ -20,6 +20,7 @@ from attn_di._enum import (
     check_new_name,
     lookup_member,
     on_new_member,
+    on_removed_member,
 )
 from attn_di._overrides import BackendOverride, override_target
 from attn_di._paths import check_class_path, resolves_to
@@ -107,8 +108,8 @@ class _ContainerAPI:
     def register(self, member: BackendKey, class_path: str | type[Any]) -> Callable[[_C], _C]: ...
     def register(self, member: BackendKey, class_path: Any = None) -> Callable[[Any], Any]:
         """Register a class for ``member`` here; see :func:`register_backend`."""
+        _check_key_or_new_name(member)
         if class_path is None:
-            _check_key_or_new_name(member)
 
             def decorator(backend_cls: type[_C]) -> type[_C]:
                 if not isinstance(backend_cls, type):
@@ -358,7 +359,19 @@ def _add_runtime_provider(member: AttentionBackendEnum) -> None:
         setattr(container, member.name, BackendProvider(member))
 
 
+def _remove_runtime_provider(member: AttentionBackendEnum) -> None:
+    delattr(BackendContainer, member.name)
+    for container in list(_live_containers):
+        provider = container._by_key.pop(member, None)
+        container._by_key.pop(member.name, None)
+        if provider is not None:
+            with STATE_LOCK:
+                provider.invalidate()
+            delattr(container, member.name)
+
+
 on_new_member(_add_runtime_provider)
+on_removed_member(_remove_runtime_provider)
 
 
 # -- the default container ------------------------------------------------------------

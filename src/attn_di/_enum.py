@@ -28,12 +28,16 @@ __all__ = [
     "check_new_name",
     "lookup_member",
     "on_new_member",
+    "on_removed_member",
+    "remove_runtime_member",
+    "runtime_members",
 ]
 
 _VLLM = "vllm.v1.attention.backends."
 _OURS = "attn_di.backends."
 _runtime_lock = threading.Lock()
 _runtime_listeners: list[Callable[[AttentionBackendEnum], None]] = []
+_removal_listeners: list[Callable[[AttentionBackendEnum], None]] = []
 
 
 class _BackendEnumMeta(EnumMeta):
@@ -205,7 +209,8 @@ def check_new_name(name: object) -> str:
             raise InvalidBackendNameError(
                 name, f"it differs from {existing} only by case", existing=existing
             )
-    if hasattr(AttentionBackendEnum, name):
+    namespaces = (*AttentionBackendEnum.__mro__, *type(AttentionBackendEnum).__mro__)
+    if any(name in vars(namespace) for namespace in namespaces):
         raise InvalidBackendNameError(name, "it would shadow an attribute of AttentionBackendEnum")
     return name
 
@@ -213,6 +218,37 @@ def check_new_name(name: object) -> str:
 def on_new_member(listener: Callable[[AttentionBackendEnum], None]) -> None:
     """Call ``listener(member)`` for every runtime member added from now on."""
     _runtime_listeners.append(listener)
+
+
+def on_removed_member(listener: Callable[[AttentionBackendEnum], None]) -> None:
+    """Call ``listener(member)`` for every runtime member removed from now on."""
+    _removal_listeners.append(listener)
+
+
+def runtime_members() -> list[AttentionBackendEnum]:
+    """The members added at runtime, oldest first."""
+    return [m for m in AttentionBackendEnum if m.name not in _BUILTIN_NAMES]
+
+
+def remove_runtime_member(member: AttentionBackendEnum) -> None:
+    """Remove a runtime member and its providers (for test isolation; built-ins are kept).
+
+    Raises:
+        InvalidBackendNameError: ``member`` is a built-in member.
+    """
+    cls = AttentionBackendEnum
+    if member.name in _BUILTIN_NAMES:
+        raise InvalidBackendNameError(member.name, "built-in members cannot be removed")
+    with _runtime_lock:
+        if cls._member_map_.get(member.name) is not member:
+            return
+        del cls._member_map_[member.name]
+        cls._member_names_.remove(member.name)
+        if cls._value2member_map_.get(member.value) is member:
+            del cls._value2member_map_[member.value]
+        type.__delattr__(cls, member.name)
+        for listener in _removal_listeners:
+            listener(member)
 
 
 def _add_member(name: str, class_path: str) -> AttentionBackendEnum:
@@ -231,6 +267,8 @@ def _add_member(name: str, class_path: str) -> AttentionBackendEnum:
     cls._value2member_map_.setdefault(class_path, member)
     return member
 
+
+_BUILTIN_NAMES = frozenset(AttentionBackendEnum.__members__)
 
 # Imported last (a cycle): the container declares one provider per member of the enum above.
 from attn_di import _container, _provider  # noqa: E402

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run every gate and test, failing on the first red one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PY=.venv/bin/python
+echo "== ruff check";        $PY -m ruff check src tests examples benchmarks
+echo "== ruff format";       $PY -m ruff format --check src tests examples benchmarks
+echo "== mypy --strict src"; $PY -m mypy --strict src
+echo "== mypy examples";     $PY -m mypy --strict examples/engine
+echo "== pytest";            $PY -m pytest -q tests "$@"

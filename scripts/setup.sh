@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install attn_di with its torch and test extras.
+# torch is pinned and installed FIRST: torch==2.13.0 is the local CPU build on these
+# machines; any other version (or an unpinned torch) would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -m pip install -q torch==2.13.0 numpy 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -m pip install -q -e '.[torch,test]' 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -c "import attn_di, torch, pytest, hypothesis, dependency_injector; \
+print(f'attn_di ready: torch {torch.__version__}, dependency-injector {dependency_injector.__version__}')"

@@ -1,0 +1,44 @@
+"""The public surface of attn_di is pinned."""
+
+from __future__ import annotations
+
+import attn_di
+
+
+def test_all_is_pinned_and_sorted() -> None:
+    """__all__ lists exactly the public names, alphabetically."""
+    assert attn_di.__all__ == sorted(attn_di.__all__)
+    assert attn_di.__all__ == [
+        "AttentionBackendEnum",
+        "AttnDIError",
+        "BackendContainer",
+        "BackendImportError",
+        "BackendNotRegisteredError",
+        "BackendOverride",
+        "BackendProvider",
+        "InvalidBackendNameError",
+        "InvalidBackendTypeError",
+        "InvalidClassPathError",
+        "UnexportableBackendError",
+        "UnknownBackendError",
+        "get_container",
+        "register_backend",
+        "use_container",
+    ]
+
+
+def test_every_exported_name_exists() -> None:
+    """Each name in __all__ is importable from attn_di."""
+    for name in attn_di.__all__:
+        assert getattr(attn_di, name) is not None
+
+
+def test_public_classes_present_themselves_under_the_package() -> None:
+    """Exported classes of private modules report ``attn_di`` as their module."""
+    for cls in (
+        attn_di.AttentionBackendEnum,
+        attn_di.BackendContainer,
+        attn_di.BackendOverride,
+        attn_di.BackendProvider,
+    ):
+        assert cls.__module__ == "attn_di"
