@@ -209,7 +209,7 @@ def check_new_name(name: object) -> str:
             raise InvalidBackendNameError(
                 name, f"it differs from {existing} only by case", existing=existing
             )
-    namespaces = (*AttentionBackendEnum.__mro__, *type(AttentionBackendEnum).__mro__)
+    namespaces = [*type.mro(AttentionBackendEnum), *type.mro(_BackendEnumMeta)]
     if any(name in vars(namespace) for namespace in namespaces):
         raise InvalidBackendNameError(name, "it would shadow an attribute of AttentionBackendEnum")
     return name
