@@ -74,6 +74,18 @@ def test_module_not_found(container: BackendContainer) -> None:
     assert "Hint: install the package" in str(error)
 
 
+def test_missing_submodule_of_an_existing_package(
+    make_module: Callable[[str, str], str], container: BackendContainer
+) -> None:
+    """A missing module inside an existing package is "module not found", naming that module."""
+    make_module("present_pkg.other", BACKEND_MODULE)
+    register_backend(CUSTOM, "present_pkg.absent_mod.Backend")
+    with pytest.raises(BackendImportError) as caught:
+        container.backend(CUSTOM)
+    assert caught.value.reason == "module not found"
+    assert "present_pkg.absent_mod" in str(caught.value)
+
+
 def test_attribute_not_found_suggests_the_closest(
     make_module: Callable[[str, str], str], container: BackendContainer
 ) -> None:

@@ -93,6 +93,10 @@ def import_class_path(class_path: str, member: str) -> Any:
             raise BackendImportError(
                 member, class_path, BackendImportError.MODULE_FAILED, f"{type(exc).__name__}: {exc}"
             ) from exc
+        if first_missing is not None and not hasattr(module, attrs[0]):
+            # A shorter split (tried for nested classes) lacks the would-be module too: the
+            # truthful report is the module that was not found.
+            break
         return _getattr_chain(module, attrs, class_path, member)
     assert first_missing is not None
     raise BackendImportError(
