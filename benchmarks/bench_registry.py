@@ -24,7 +24,7 @@ from typing import Any
 
 from dependency_injector import providers
 
-from attn_di import AttentionBackendEnum, BackendContainer, register_backend
+from attn_di import AttentionBackendEnum, get_container, register_backend, use_container
 
 TARGET_PATH = "collections.OrderedDict"  # an already-imported module: pure resolution cost
 
@@ -68,12 +68,14 @@ def _import_ms(code: str, runs: int) -> float:
 
 def measure(import_runs: int = 15) -> list[tuple[str, float, str]]:
     """Run every measurement; returns rows ``(what, value, unit)``."""
-    member = AttentionBackendEnum.TRITON_ATTN
-    container = BackendContainer()
-    register_backend(member, TARGET_PATH, container=container)
-    from attn_di import _container
+    with use_container():
+        return _measure(import_runs)
 
-    _container._set_default(container)
+
+def _measure(import_runs: int) -> list[tuple[str, float, str]]:
+    member = AttentionBackendEnum.TRITON_ATTN
+    container = get_container()
+    register_backend(member, TARGET_PATH)
     baseline_member = _VllmStyleEnum.TRITON_ATTN
     assert container.backend(member) is baseline_member.get_class() is member.get_class()
 

@@ -8,8 +8,10 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -m pip install -q torch==2.13.0 numpy 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -m pip install -q -e '.[torch,test]' 2>&1 | grep -v "is ignored" || true
+# pip's own exit status decides (pipefail); the filter only drops this machine's index notices.
+quiet() { "$@" 2>&1 | { grep -v "is ignored" || true; }; }
+quiet .venv/bin/python -m pip install -q --upgrade pip
+quiet .venv/bin/python -m pip install -q torch==2.13.0 numpy
+quiet .venv/bin/python -m pip install -q -e '.[torch,test]'
 .venv/bin/python -c "import attn_di, torch, pytest, hypothesis, dependency_injector; \
 print(f'attn_di ready: torch {torch.__version__}, dependency-injector {dependency_injector.__version__}')"

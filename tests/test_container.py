@@ -5,10 +5,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
+import pytest
+
 from attn_di import (
     AttentionBackendEnum,
     BackendContainer,
     BackendProvider,
+    InvalidBackendTypeError,
     get_container,
     register_backend,
     use_container,
@@ -69,3 +72,23 @@ def test_removing_a_runtime_member(
     assert name not in BackendContainer.providers
     assert name not in container.providers
     assert member not in runtime_members()
+
+
+def test_use_container_checks_its_argument(container: BackendContainer) -> None:
+    """Only BackendContainer instances can be installed; the default is left alone."""
+    for bad in (5, BackendContainer):
+        with pytest.raises(InvalidBackendTypeError), use_container(bad):  # type: ignore[arg-type]
+            pass
+    assert get_container() is container
+
+
+def test_use_container_out_of_order_exits(container: BackendContainer) -> None:
+    """Exiting an outer block first keeps the inner one the default until it exits."""
+    outer_block, inner_block = use_container(), use_container()
+    outer = outer_block.__enter__()
+    inner = inner_block.__enter__()
+    outer_block.__exit__(None, None, None)
+    assert get_container() is inner
+    assert outer is not inner
+    inner_block.__exit__(None, None, None)
+    assert get_container() is container

@@ -34,3 +34,19 @@ def test_methods_forward() -> None:
     with pytest.warns(AttnDIDeprecationWarning):
         register = attn_di._Backend.register
     assert register == AttentionBackendEnum.register
+
+
+def test_class_level_uses_forward() -> None:
+    """isinstance, __members__, membership and calls behave as on the enum, each warning."""
+    member = AttentionBackendEnum.CUSTOM
+    with pytest.warns(AttnDIDeprecationWarning):
+        assert isinstance(member, attn_di._Backend)
+    with pytest.warns(AttnDIDeprecationWarning):
+        members = attn_di._Backend.__members__
+    with pytest.warns(AttnDIDeprecationWarning):
+        found = attn_di._Backend(AttentionBackendEnum.CPU_ATTN.value)
+    with pytest.warns(AttnDIDeprecationWarning):
+        contained = member in attn_di._Backend
+    assert "CUSTOM" in members
+    assert found is AttentionBackendEnum.CPU_ATTN
+    assert contained

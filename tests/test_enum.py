@@ -116,6 +116,13 @@ def test_clear_override_without_registration_is_a_no_op() -> None:
     assert not AttentionBackendEnum.FLASH_ATTN.is_overridden()
 
 
+def test_lookup_by_unknown_value() -> None:
+    """AttentionBackendEnum(value) for an unknown path raises the typed error."""
+    assert AttentionBackendEnum(OURS["CPU_ATTN"]) is AttentionBackendEnum.CPU_ATTN
+    with pytest.raises(UnknownBackendError, match="no attention backend has the default class"):
+        AttentionBackendEnum("bogus")
+
+
 def test_members_pickle_by_name() -> None:
     """Members round-trip through pickle to the same object."""
     for member in AttentionBackendEnum:
@@ -167,6 +174,10 @@ def test_runtime_member_default_is_what_clear_returns_to(
         ("MY-BACKEND", InvalidBackendNameError),
         ("", InvalidBackendNameError),
         ("class", InvalidBackendNameError),
+        ("backend", InvalidBackendNameError),
+        ("providers", InvalidBackendNameError),
+        ("wire", InvalidBackendNameError),
+        ("My_Backend", InvalidBackendNameError),
         (42, InvalidBackendTypeError),
     ],
 )

@@ -195,6 +195,26 @@ def test_container_override_with_a_container_keeps_di_semantics(
     assert container.source(TRITON) == "default"
 
 
+def test_container_override_as_a_block_restores(container: BackendContainer) -> None:
+    """``with container.override(other_container):`` undoes dependency-injector's override."""
+    other = BackendContainer()
+    other.TRITON_ATTN.override(providers.Object(FakeA))
+    register_backend(TRITON, FakeB)
+    with container.override(other):
+        assert container.backend(TRITON) is FakeA
+        assert TRITON in container.active_overrides()  # every same-named provider is
+        assert container.get_path(TRITON) == f"{__name__}.FakeA"
+    assert container.backend(TRITON) is FakeB
+    assert container.active_overrides() == []
+
+
+def test_duplicate_members_in_a_mapping(container: BackendContainer) -> None:
+    """A mapping naming one member twice (member and name) is refused."""
+    with pytest.raises(InvalidBackendTypeError, match="CUSTOM appears twice"):
+        container.override({CUSTOM: FakeA, "CUSTOM": FakeB})
+    assert container.active_overrides() == []
+
+
 def test_overrides_are_per_container(container: BackendContainer) -> None:
     """An override in one container is invisible to another."""
     other = BackendContainer()

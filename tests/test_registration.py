@@ -174,10 +174,39 @@ def test_unknown_member_in_other_calls(container: BackendContainer) -> None:
     """container.backend with an unknown name gives the enum's helpful error."""
     with pytest.raises(UnknownBackendError, match="did you mean 'CPU_ATTN'"):
         container.backend("CPU_ATN")
-    with pytest.raises(UnknownBackendError):
+    with pytest.raises(InvalidBackendTypeError, match="member must be an AttentionBackendEnum"):
         container.backend(42)  # type: ignore[arg-type]
-    with pytest.raises(UnknownBackendError):
+    with pytest.raises(InvalidBackendTypeError):
         container.backend(["CPU_ATTN"])  # type: ignore[arg-type]
+
+
+def test_a_provider_is_accepted_as_a_key(container: BackendContainer) -> None:
+    """BackendContainer.X (the dependency-injector habit) names member X."""
+    register_backend(CUSTOM, "collections.OrderedDict")
+    assert container.backend(BackendContainer.CUSTOM) is collections.OrderedDict  # type: ignore[arg-type]
+
+
+def test_a_typo_does_not_create_a_member(container: BackendContainer) -> None:
+    """register_backend("TRITON_ATN", ...) is refused as a typo of TRITON_ATTN."""
+    with pytest.raises(UnknownBackendError) as caught:
+        register_backend("TRITON_ATN", "collections.OrderedDict")
+    assert caught.value.suggestion == "TRITON_ATTN"
+    assert "AttentionBackendEnum.register('TRITON_ATN'" in str(caught.value)
+    assert "TRITON_ATN" not in AttentionBackendEnum.__members__
+
+
+def test_type_error_hints_fit_the_value() -> None:
+    """None gets a plain hint; an instance of a user class is told to pass the class."""
+    with pytest.raises(InvalidBackendTypeError) as caught:
+        register_backend(CUSTOM, 5)  # type: ignore[call-overload]
+    assert "pass the class itself" not in str(caught.value)
+    assert str(caught.value).endswith("Hint: pass a dotted path string or a class")
+
+
+def test_container_argument_is_checked() -> None:
+    """container= must be a BackendContainer instance."""
+    with pytest.raises(InvalidBackendTypeError, match="container must be a BackendContainer"):
+        register_backend(CUSTOM, "a.b", container=5)  # type: ignore[call-overload]
 
 
 def test_export_and_apply(new_name: Callable[[], str], container: BackendContainer) -> None:
@@ -217,6 +246,17 @@ def test_export_refuses_a_class_without_an_importable_path(container: BackendCon
     assert caught.value.member == "CUSTOM"  # type: ignore[attr-defined]
 
 
+def test_apply_refuses_new_names_differing_by_case(new_name: Callable[[], str]) -> None:
+    """Two new names that differ only by case are refused before anything is applied."""
+    other = BackendContainer()
+    name = new_name()
+    snapshot = {"CUSTOM": "collections.Counter", name: "a.B", name.lower(): "a.C"}
+    with pytest.raises(ValueError, match="upper case"):
+        other.apply_registrations(snapshot)
+    assert name not in AttentionBackendEnum.__members__
+    assert not other.is_overridden(CUSTOM)
+
+
 def test_apply_validates_everything_first(new_name: Callable[[], str]) -> None:
     """A snapshot with one bad entry changes nothing, not even the good entries."""
     other = BackendContainer()
@@ -225,6 +265,7 @@ def test_apply_validates_everything_first(new_name: Callable[[], str]) -> None:
         {"TRITON_ATTN": "collections.Counter", "CUSTOM": "not a path"},
         {"TRITON_ATTN": "collections.Counter", name: 42},
         {"TRITON_ATTN": "collections.Counter", "bad name": "a.b"},
+        {"TRITON_ATTN": "collections.Counter", CUSTOM: "a.b"},
         ["TRITON_ATTN"],
     ]
     for snapshot in bad_snapshots:

@@ -26,7 +26,8 @@ __all__ = [
     "use_container",
 ]
 
-from attn_di._container import BackendContainer, get_container, register_backend, use_container
+from attn_di._container import BackendContainer
+from attn_di._default import get_container, register_backend, use_container
 from attn_di._deprecated import DeprecatedBackendAlias
 from attn_di._enum import AttentionBackendEnum
 from attn_di._overrides import BackendOverride
@@ -42,7 +43,7 @@ from attn_di.exceptions import (
     UnknownBackendError,
 )
 
-_Backend = DeprecatedBackendAlias()
+_Backend = DeprecatedBackendAlias
 """Deprecated alias of :class:`AttentionBackendEnum` (vLLM's old name); warns on use."""
 
 for _exported in (AttentionBackendEnum, BackendContainer, BackendOverride, BackendProvider):

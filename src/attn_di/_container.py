@@ -6,10 +6,8 @@ Also the process-wide default container (:func:`get_container`, :func:`use_conta
 
 from __future__ import annotations
 
-import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from dependency_injector import containers
@@ -18,26 +16,20 @@ from attn_di._enum import (
     AttentionBackendEnum,
     add_runtime_member,
     check_new_name,
-    lookup_member,
     on_new_member,
     on_removed_member,
 )
-from attn_di._overrides import BackendOverride, override_target
+from attn_di._overrides import BackendOverride, ContainerOverride, override_target
 from attn_di._paths import check_class_path, resolves_to
 from attn_di._provider import LOCAL_LAYERS, STATE_LOCK, BackendProvider, Layer, Target
 from attn_di.exceptions import (
+    InvalidBackendNameError,
     InvalidBackendTypeError,
     UnexportableBackendError,
     UnknownBackendError,
 )
 
-__all__ = [
-    "BackendContainer",
-    "BackendKey",
-    "get_container",
-    "register_backend",
-    "use_container",
-]
+__all__ = ["BackendContainer", "BackendKey"]
 
 BackendKey = AttentionBackendEnum | str
 """A member, or a member's exact name."""
@@ -76,17 +68,26 @@ class _ContainerAPI:
             return cast("type[Any]", provider())
         return cast("type[Any]", provider.resolve())
 
-    def provider(self, member: BackendKey) -> BackendProvider:
+    def provider(self, member: BackendKey | BackendProvider) -> BackendProvider:
         """The :class:`BackendProvider` of ``member`` in this container.
+
+        ``member`` may also be a provider (``BackendContainer.CUSTOM``): its member is used.
 
         Raises:
             UnknownBackendError: no such member.
+            InvalidBackendTypeError: neither a member, a name nor a provider.
         """
         try:
             return self._by_key[member]
         except (KeyError, TypeError):
-            lookup_member(member)  # raises the helpful error for names
-            raise UnknownBackendError(member, list(AttentionBackendEnum.__members__)) from None
+            pass
+        if isinstance(member, BackendProvider):
+            return self.provider(member.member)
+        if not isinstance(member, str):
+            raise InvalidBackendTypeError(
+                "member", member, "an AttentionBackendEnum member or its name"
+            )
+        raise UnknownBackendError(member, list(AttentionBackendEnum.__members__))
 
     def get_path(self, member: BackendKey, include_classname: bool = True) -> str:
         """The class path ``member`` resolves to here; see :meth:`AttentionBackendEnum.get_path`."""
@@ -108,7 +109,7 @@ class _ContainerAPI:
     def register(self, member: BackendKey, class_path: str | type[Any]) -> Callable[[_C], _C]: ...
     def register(self, member: BackendKey, class_path: Any = None) -> Callable[[Any], Any]:
         """Register a class for ``member`` here; see :func:`register_backend`."""
-        _check_key_or_new_name(member)
+        _check_key_or_new_name(member, implicit=True)
         if class_path is None:
 
             def decorator(backend_cls: type[_C]) -> type[_C]:
@@ -168,11 +169,20 @@ class _ContainerAPI:
         """
         if not isinstance(snapshot, Mapping):
             raise InvalidBackendTypeError("snapshot", snapshot, "a mapping {name: class path}")
+        new_names: dict[str, str] = {}
         for name, class_path in snapshot.items():
+            if not isinstance(name, str):
+                raise InvalidBackendTypeError("snapshot key", name, "a member name string")
             if not isinstance(class_path, str):
                 raise InvalidBackendTypeError(f"snapshot[{name!r}]", class_path, "a class path")
             check_class_path(class_path)
-            _check_key_or_new_name(name)
+            if name not in AttentionBackendEnum.__members__:
+                check_new_name(name)
+                if name.upper() in new_names:
+                    raise InvalidBackendNameError(
+                        name, f"the snapshot also adds {new_names[name.upper()]!r}"
+                    )
+                new_names[name.upper()] = name
         for name, class_path in snapshot.items():
             if name in AttentionBackendEnum.__members__:
                 self._register(name, Target.of_path(class_path, "registered"))
@@ -182,7 +192,7 @@ class _ContainerAPI:
     # -- overrides --------------------------------------------------------------------
     def override(
         self, member: Any, impl: Any = _MISSING, *, local: bool = False
-    ) -> BackendOverride:
+    ) -> BackendOverride | ContainerOverride:
         """Override backends, at once, until the returned handle is exited or restored.
 
         ``with container.override(AttentionBackendEnum.TRITON_ATTN, FakeBackend):`` or
@@ -192,7 +202,8 @@ class _ContainerAPI:
 
         Args:
             member: a member or its name, or a mapping ``{member: impl}``. A dependency-injector
-                container is passed to dependency-injector's own container override.
+                container is passed to dependency-injector's own container override (its
+                handle undoes it on exit, innermost first).
             impl: a class, a dotted class path, or any callable object (e.g. a
                 ``mocker.Mock(spec=...)``), returned as is by resolution.
             local: visible only in the current thread / asyncio task (a ContextVar).
@@ -202,19 +213,32 @@ class _ContainerAPI:
         """
         if impl is not _MISSING:
             if isinstance(member, Mapping):
-                raise InvalidBackendTypeError("impl", impl, "omitted when a mapping is given")
+                raise InvalidBackendTypeError(
+                    "impl",
+                    impl,
+                    "omitted when a mapping is given",
+                    hint="put every impl in the mapping: container.override({member: impl})",
+                )
             requested: Iterable[tuple[Any, Any]] = ((member, impl),)
         elif isinstance(member, Mapping):
             requested = member.items()
         elif containers.is_container(member):
-            containers.DynamicContainer.override(self, member)  # type: ignore[arg-type]
-            return BackendOverride(Layer({}, False), {})
+            return ContainerOverride(self, member)
         else:
-            raise InvalidBackendTypeError("impl", None, "given (the class to use)")
+            raise InvalidBackendTypeError(
+                "impl",
+                None,
+                "given (the class to use)",
+                hint="container.override(AttentionBackendEnum.X, MyBackend)",
+            )
         targets: dict[BackendProvider, Target] = {}
         impls: dict[AttentionBackendEnum, Any] = {}
         for key, value in requested:
             provider = self.provider(key)
+            if provider in targets:
+                raise InvalidBackendTypeError(
+                    "member", key, f"given once; {provider.name} appears twice in the mapping"
+                )
             targets[provider] = override_target(value, local=local)
             impls[provider.member] = value
         handle = BackendOverride(Layer(targets, local), impls)
@@ -222,8 +246,9 @@ class _ContainerAPI:
         return handle
 
     def active_overrides(self) -> list[AttentionBackendEnum]:
-        """Members with a global override layer active here (used to catch leaks in tests)."""
-        return [p.member for p in self._providers_by_name().values() if p._layers]
+        """Members with a global override layer or a dependency-injector override active here
+        (used to catch leaks in tests)."""
+        return [p.member for p in self._providers_by_name().values() if p._layers or p.overridden]
 
     # -- wiring -----------------------------------------------------------------------
     def wire(
@@ -374,105 +399,6 @@ on_new_member(_add_runtime_provider)
 on_removed_member(_remove_runtime_provider)
 
 
-# -- the default container ------------------------------------------------------------
-_default: BackendContainer | None = None
-_default_lock = threading.Lock()
-
-
-def get_container() -> BackendContainer:
-    """The process-wide default container, created on first use.
-
-    The enum's methods (``get_class``, ``get_path``, ...) and :func:`register_backend` act on it.
-    """
-    container = _default
-    if container is None:
-        with _default_lock:
-            container = _default
-            if container is None:
-                container = _set_default(BackendContainer())
-    return container
-
-
-@contextmanager
-def use_container(container: BackendContainer | None = None) -> Iterator[BackendContainer]:
-    """Install ``container`` (a fresh one by default) as the default until the block ends.
-
-    Modules wired to the previous default are wired to it for the block and back after,
-    so ``@inject`` functions follow. Meant for tests.
-    """
-    previous = get_container()
-    current = container if container is not None else BackendContainer()
-    modules, packages = list(previous.wired_to_modules), list(previous.wired_to_packages)
-    with _default_lock:
-        _set_default(current)
-    if modules or packages:
-        current.wire(modules=modules, packages=packages, warn_unresolved=previous._warn_unresolved)
-    try:
-        yield current
-    finally:
-        with _default_lock:
-            _set_default(previous)
-        if modules or packages:
-            previous.wire(
-                modules=modules, packages=packages, warn_unresolved=previous._warn_unresolved
-            )
-            previous.wired_to_modules[:] = modules
-            previous.wired_to_packages[:] = packages
-            current.wired_to_modules.clear()
-            current.wired_to_packages.clear()
-
-
-def _set_default(container: BackendContainer) -> BackendContainer:
-    global _default
-    _default = container
-    return container
-
-
-@overload
-def register_backend(
-    member: BackendKey, class_path: None = None, *, container: BackendContainer | None = None
-) -> Callable[[type[_C]], type[_C]]: ...
-@overload
-def register_backend(
-    member: BackendKey, class_path: str | type[Any], *, container: BackendContainer | None = None
-) -> Callable[[_C], _C]: ...
-def register_backend(
-    member: BackendKey,
-    class_path: str | type[Any] | None = None,
-    *,
-    container: BackendContainer | None = None,
-) -> Callable[[Any], Any]:
-    """Register a backend class for a member, directly or as a class decorator.
-
-    ``register_backend(AttentionBackendEnum.CUSTOM, "my_pkg.attn.MyBackend")`` registers a
-    path (imported lazily); ``@register_backend(AttentionBackendEnum.CUSTOM)`` registers the
-    decorated class (also one defined inside a function) and returns it unchanged. A name
-    that is not a member (``register_backend("MY_BACKEND", ...)``) adds a runtime member
-    whose default is the given class. The last registration wins; ``clear_override()``
-    undoes it.
-
-    Args:
-        member: a member or its exact name (or a new member's name).
-        class_path: a dotted path (``pkg.mod.Class`` or ``pkg.mod:Class``), a class, or None
-            to get a decorator.
-        container: the container to register in (keyword only); the default container if None.
-
-    Returns:
-        The decorator; for a direct call, an identity function (as vLLM returns).
-
-    Raises:
-        UnknownBackendError: never; an unknown valid name creates a member.
-        InvalidBackendNameError: a new name that is refused.
-        InvalidBackendTypeError: ``class_path`` (or the decorated object) is not a class or a
-            string.
-        InvalidClassPathError: a malformed path. On any error nothing changes.
-    """
-    target = container if container is not None else get_container()
-    if class_path is None:
-        return target.register(member)
-    return target.register(member, class_path)
-
-
 def _registration_target(class_path: object) -> Target:
     if isinstance(class_path, str):
         return Target.of_path(check_class_path(class_path), "registered")
@@ -481,14 +407,30 @@ def _registration_target(class_path: object) -> Target:
     raise InvalidBackendTypeError("class_path", class_path, "a dotted path string or a class")
 
 
-def _check_key_or_new_name(member: object) -> None:
+def _check_key_or_new_name(member: object, *, implicit: bool = False) -> None:
+    """Accept a member, an existing name, or a valid new name (typo-guarded if ``implicit``)."""
     if isinstance(member, AttentionBackendEnum):
         return
-    if isinstance(member, str):
-        if member not in AttentionBackendEnum.__members__:
-            check_new_name(member)
+    if not isinstance(member, str):
+        raise InvalidBackendTypeError(
+            "member", member, "an AttentionBackendEnum member or its name"
+        )
+    if member in AttentionBackendEnum.__members__:
         return
-    raise InvalidBackendTypeError("member", member, "an AttentionBackendEnum member or a name")
+    check_new_name(member)
+    if implicit:
+        names = list(AttentionBackendEnum.__members__)
+        import difflib  # only on error paths: keeps `import attn_di` light
+
+        close = difflib.get_close_matches(member, names, n=1, cutoff=0.85)
+        if close:
+            error = UnknownBackendError(member, names)
+            error.suggestion = close[0]
+            error.hint = (
+                f"did you mean {close[0]!r}? To add a new member with a name this close, "
+                f"call AttentionBackendEnum.register({member!r}, class_path) first"
+            )
+            raise error
 
 
 def _identity(obj: _C) -> _C:

@@ -12,6 +12,7 @@ The registry methods (``get_path``, ``get_class``, ...) act on the default conta
 from __future__ import annotations
 
 import keyword
+import re
 import threading
 from enum import Enum, EnumMeta
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ __all__ = [
 ]
 
 _VLLM = "vllm.v1.attention.backends."
+_UPPER_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 _OURS = "attn_di.backends."
 _runtime_lock = threading.Lock()
 _runtime_listeners: list[Callable[[AttentionBackendEnum], None]] = []
@@ -90,6 +92,11 @@ class AttentionBackendEnum(Enum, metaclass=_BackendEnumMeta):
         # By name, not by value: runtime members may share a value with another member.
         return lookup_member, (self._name_,)
 
+    @classmethod
+    def _missing_(cls, value: object) -> AttentionBackendEnum:
+        # AttentionBackendEnum("...") looks members up by default class path.
+        raise UnknownBackendError(value, list(cls._member_map_), looked_up="class path")
+
     @property
     def default_path(self) -> str | None:
         """The member's default class path, or None (CUSTOM)."""
@@ -106,7 +113,7 @@ class AttentionBackendEnum(Enum, metaclass=_BackendEnumMeta):
         Raises:
             BackendNotRegisteredError: the member has no path (CUSTOM before registration).
         """
-        return _container.get_container().get_path(self, include_classname)
+        return _default.get_container().get_path(self, include_classname)
 
     def get_class(self) -> type[Any]:
         """Import (lazily, once) and return the class this member resolves to.
@@ -118,24 +125,24 @@ class AttentionBackendEnum(Enum, metaclass=_BackendEnumMeta):
             BackendImportError: the path does not import (module or attribute missing, or the
                 module failing on import).
         """
-        container = _container._default
+        container = _default._default
         if container is not None and not _provider.LOCAL_LAYERS.get():
             try:
                 return container._resolved[self]  # the container's warm-path cache
             except KeyError:
                 pass
-        return _container.get_container().backend(self)
+        return _default.get_container().backend(self)
 
     def is_overridden(self) -> bool:
         """True while a registration or an override (global or local) is active."""
-        return _container.get_container().is_overridden(self)
+        return _default.get_container().is_overridden(self)
 
     def clear_override(self) -> None:
         """Forget the registration, returning to the default path. No-op if none.
 
         Override blocks (``with container.override(...)``) are not touched: they end themselves.
         """
-        _container.get_container().clear_override(self)
+        _default.get_container().clear_override(self)
 
     @classmethod
     def register(cls, name: str, class_path: str) -> AttentionBackendEnum:
@@ -209,6 +216,10 @@ def check_new_name(name: object) -> str:
             raise InvalidBackendNameError(
                 name, f"it differs from {existing} only by case", existing=existing
             )
+    if not _UPPER_NAME.fullmatch(name):
+        # Upper case, like every built-in member: a member name is also an attribute of
+        # every container, whose own attributes (backend, providers, wire, ...) are lower case.
+        raise InvalidBackendNameError(name, "member names are upper case (A-Z, 0-9, _)")
     namespaces = [*type.mro(AttentionBackendEnum), *type.mro(_BackendEnumMeta)]
     if any(name in vars(namespace) for namespace in namespaces):
         raise InvalidBackendNameError(name, "it would shadow an attribute of AttentionBackendEnum")
@@ -271,4 +282,4 @@ def _add_member(name: str, class_path: str) -> AttentionBackendEnum:
 _BUILTIN_NAMES = frozenset(AttentionBackendEnum.__members__)
 
 # Imported last (a cycle): the container declares one provider per member of the enum above.
-from attn_di import _container, _provider  # noqa: E402
+from attn_di import _default, _provider  # noqa: E402

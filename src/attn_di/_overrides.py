@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from dependency_injector import containers
+
 from attn_di._paths import check_class_path
 from attn_di._provider import LOCAL_LAYERS, STATE_LOCK, Layer, Target
 from attn_di.exceptions import InvalidBackendTypeError
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
 
     from attn_di._enum import AttentionBackendEnum
 
-__all__ = ["BackendOverride", "override_target"]
+__all__ = ["BackendOverride", "ContainerOverride", "override_target"]
 
 
 class BackendOverride:
@@ -80,6 +82,57 @@ class BackendOverride:
         state = "active" if self._active else "restored"
         kind = "local " if self.local else ""
         return f"<BackendOverride {kind}{state}: {names}>"
+
+
+class ContainerOverride:
+    """dependency-injector's container override (``container.override(other_container)``),
+    applied at once; :meth:`restore` (or the ``with`` exit) undoes it.
+
+    dependency-injector keeps container overrides on one stack and can only pop its top, so
+    these must be restored innermost first; restoring another one first raises.
+    """
+
+    def __init__(self, container: Any, overriding: Any) -> None:
+        self._container = container
+        self.overriding = overriding
+        containers.DynamicContainer.override(container, overriding)
+        self._active = True
+
+    @property
+    def active(self) -> bool:
+        """True until restored."""
+        return self._active
+
+    def restore(self) -> None:
+        """Undo the container override. No-op if already restored.
+
+        Raises:
+            InvalidBackendTypeError: another container override was applied later and is still
+                active (dependency-injector cannot remove one from the middle).
+        """
+        if not self._active:
+            return
+        stack = self._container.overridden
+        if not stack or stack[-1] is not self.overriding:
+            raise InvalidBackendTypeError(
+                "restore order",
+                self.overriding,
+                "the innermost container override",
+                hint="restore dependency-injector container overrides innermost first",
+            )
+        self._container.reset_last_overriding()
+        self._active = False
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.restore()
 
 
 def override_target(impl: object, *, local: bool) -> Target:

@@ -8,7 +8,6 @@ path whose last-dot split names no module is retried with the split moved left, 
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import re
 import sys
@@ -131,6 +130,8 @@ def _getattr_chain(module: Any, attrs: list[str], class_path: str, member: str) 
             target = getattr(target, attr)
         except AttributeError as exc:
             names = [name for name in dir(target) if not name.startswith("_")]
+            import difflib  # only on error paths: keeps `import attn_di` light
+
             close = difflib.get_close_matches(attr, names, n=1, cutoff=0.6)
             raise BackendImportError(
                 member,

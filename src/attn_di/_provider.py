@@ -173,6 +173,11 @@ class BackendProvider(providers.Provider[Any]):
         Raises:
             BackendNotRegisteredError: nothing to resolve to.
         """
+        if self.overridden:  # dependency-injector's own override: describe what it provides
+            provided = self()
+            if include_classname:
+                return path_of(provided)
+            return str(getattr(provided, "__module__", type(provided).__module__))
         target = self._require(self.effective_target())
         if include_classname:
             return target.path

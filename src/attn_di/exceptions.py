@@ -23,7 +23,6 @@ The data lives on the exception as attributes; the message is rendered by
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable, Sequence
 
 __all__ = [
@@ -48,6 +47,8 @@ def closest_name(name: str, choices: Iterable[str]) -> str | None:
     wanted = name.strip().upper()
     if wanted in by_upper:
         return by_upper[wanted]
+    import difflib  # only on error paths: keeps `import attn_di` light
+
     matches = difflib.get_close_matches(wanted, list(by_upper), n=1, cutoff=0.6)
     return by_upper[matches[0]] if matches else None
 
@@ -81,19 +82,28 @@ class UnknownBackendError(AttnDIError, ValueError, KeyError):
         suggestion: the closest valid name, or None.
     """
 
-    def __init__(self, name: object, choices: Sequence[str]) -> None:
-        super().__init__(name, tuple(choices))
+    def __init__(self, name: object, choices: Sequence[str], looked_up: str = "name") -> None:
+        super().__init__(name, tuple(choices), looked_up)
         self.name = name
         self.choices = tuple(choices)
+        self.looked_up = looked_up
         self.suggestion = closest_name(name, self.choices) if isinstance(name, str) else None
-        self.hint = (
-            f"did you mean {self.suggestion!r}?"
-            if self.suggestion
-            else "see `AttentionBackendEnum.__members__`, or add one with "
-            "`AttentionBackendEnum.register(name, class_path)`"
-        )
+        if self.suggestion:
+            self.hint = f"did you mean {self.suggestion!r}?"
+        elif looked_up == "class path":
+            self.hint = "look members up by name: AttentionBackendEnum['NAME']"
+        else:
+            self.hint = (
+                "see `AttentionBackendEnum.__members__`, or add one with "
+                "`AttentionBackendEnum.register(name, class_path)`"
+            )
 
     def message(self) -> str:
+        if self.looked_up == "class path":
+            return (
+                f"no attention backend has the default class path {self.name!r}; "
+                f"valid names: {', '.join(self.choices)}"
+            )
         return f"unknown attention backend {self.name!r}; valid names: {', '.join(self.choices)}"
 
 
@@ -193,14 +203,20 @@ class InvalidBackendTypeError(AttnDIError, TypeError):
         expected: what was expected, in words.
     """
 
-    def __init__(self, argument: str, value: object, expected: str) -> None:
-        super().__init__(argument, value, expected)
+    def __init__(
+        self, argument: str, value: object, expected: str, hint: str | None = None
+    ) -> None:
+        super().__init__(argument, value, expected, hint)
         self.argument = argument
         self.value = value
         self.expected = expected
-        self.hint = None
-        if not isinstance(value, type) and isinstance(getattr(value, "__class__", None), type):
+        user_instance = not isinstance(value, type) and type(value).__module__ != "builtins"
+        if hint is not None:
+            self.hint = hint
+        elif user_instance and "class" in expected:
             self.hint = f"pass the class itself, e.g. {type(value).__qualname__}, not an instance"
+        else:
+            self.hint = f"pass {expected}"
 
     def message(self) -> str:
         return (
