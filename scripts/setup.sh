@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install attn_di with its torch and test extras.
+# Create .venv (if missing) and install attn_di with its torch, test and ray extras, and the
+# tiny plugin distribution its tests load (tests/plugin_dist).
 # torch is pinned and installed FIRST: torch==2.13.0 is the local CPU build on these
 # machines; any other version (or an unpinned torch) would pull a multi-GB CUDA build.
 set -euo pipefail
@@ -12,6 +13,7 @@ fi
 quiet() { "$@" 2>&1 | { grep -v "is ignored" || true; }; }
 quiet .venv/bin/python -m pip install -q --upgrade pip
 quiet .venv/bin/python -m pip install -q torch==2.13.0 numpy
-quiet .venv/bin/python -m pip install -q -e '.[torch,test]'
-.venv/bin/python -c "import attn_di, torch, pytest, hypothesis, dependency_injector; \
+quiet .venv/bin/python -m pip install -q -e '.[torch,test,ray]'
+quiet .venv/bin/python -m pip install -q --no-deps -e tests/plugin_dist
+.venv/bin/python -c "import attn_di, attn_di_test_plugin, torch, pytest, hypothesis, ray, dependency_injector; \
 print(f'attn_di ready: torch {torch.__version__}, dependency-injector {dependency_injector.__version__}')"

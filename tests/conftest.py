@@ -1,6 +1,8 @@
 """Every test gets a fresh default container and a clean ATTN_DI_* environment.
 
-A test that leaves an override layer active (global or context-local) fails.
+Through the ``attn_di_container`` fixture of attn_di's own pytest plugin: a test that leaves
+an override layer active (global or context-local) fails, and runtime members it adds are
+removed after it.
 """
 
 from __future__ import annotations
@@ -15,30 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from attn_di import BackendContainer, use_container
-from attn_di._enum import remove_runtime_member, runtime_members
-from attn_di._provider import LOCAL_LAYERS
+from attn_di import BackendContainer
+
+pytest_plugins = ["pytester"]
 
 _names = itertools.count()
 
 
 @pytest.fixture(autouse=True, name="container")
-def _container(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackendContainer]:
-    for variable in list(os.environ):
-        if variable.startswith("ATTN_DI_"):
-            monkeypatch.delenv(variable)
-    local_before = LOCAL_LAYERS.get()
-    runtime_before = set(runtime_members())
-    with use_container() as container:
-        yield container
-    for member in runtime_members():
-        if member not in runtime_before:
-            remove_runtime_member(member)
-    leaked = container.active_overrides()
-    if leaked:
-        pytest.fail(f"the test leaked override layers for {[m.name for m in leaked]}")
-    if LOCAL_LAYERS.get() != local_before:
-        pytest.fail("the test leaked a context-local override layer")
+def _container(attn_di_container: BackendContainer) -> BackendContainer:
+    """The test's fresh default container (attn_di's ``attn_di_container`` fixture)."""
+    return attn_di_container
 
 
 @pytest.fixture(name="new_name")

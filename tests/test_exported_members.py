@@ -19,9 +19,18 @@ def test_all_is_pinned_and_sorted() -> None:
         "InvalidBackendNameError",
         "InvalidBackendTypeError",
         "InvalidClassPathError",
+        "OverrideBackendFixture",
+        "PluginRecord",
+        "PluginReport",
+        "PropagatedRegistrations",
+        "RegistrationsEnvError",
         "UnexportableBackendError",
         "UnknownBackendError",
         "get_container",
+        "load_plugins",
+        "plugin_report",
+        "propagate_registrations",
+        "ray_runtime_env",
         "register_backend",
         "use_container",
     ]
@@ -40,5 +49,9 @@ def test_public_classes_present_themselves_under_the_package() -> None:
         attn_di.BackendContainer,
         attn_di.BackendOverride,
         attn_di.BackendProvider,
+        attn_di.OverrideBackendFixture,
+        attn_di.PluginRecord,
+        attn_di.PluginReport,
+        attn_di.PropagatedRegistrations,
     ):
         assert cls.__module__ == "attn_di"

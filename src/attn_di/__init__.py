@@ -5,7 +5,9 @@ a lazy provider in a :class:`BackendContainer`; :func:`register_backend` and
 ``member.clear_override()`` act on the default container (:func:`get_container`);
 ``with container.override(member, impl):`` swaps an implementation for one block.
 
-Importing attn_di never imports torch, vLLM or any backend module.
+Importing attn_di never imports torch, vLLM or any backend module, and never scans entry
+points (:func:`load_plugins` does). A process started with ``ATTN_DI_REGISTRATIONS`` set
+(:func:`propagate_registrations`, :func:`ray_runtime_env`) applies it at import.
 """
 
 __all__ = [
@@ -19,9 +21,18 @@ __all__ = [
     "InvalidBackendNameError",
     "InvalidBackendTypeError",
     "InvalidClassPathError",
+    "OverrideBackendFixture",
+    "PluginRecord",
+    "PluginReport",
+    "PropagatedRegistrations",
+    "RegistrationsEnvError",
     "UnexportableBackendError",
     "UnknownBackendError",
     "get_container",
+    "load_plugins",
+    "plugin_report",
+    "propagate_registrations",
+    "ray_runtime_env",
     "register_backend",
     "use_container",
 ]
@@ -31,7 +42,15 @@ from attn_di._default import get_container, register_backend, use_container
 from attn_di._deprecated import DeprecatedBackendAlias
 from attn_di._enum import AttentionBackendEnum
 from attn_di._overrides import BackendOverride
+from attn_di._plugins import PluginRecord, PluginReport, load_plugins, plugin_report
+from attn_di._propagation import (
+    PropagatedRegistrations,
+    apply_inherited_registrations,
+    propagate_registrations,
+    ray_runtime_env,
+)
 from attn_di._provider import BackendProvider
+from attn_di._testing import OverrideBackendFixture
 from attn_di.exceptions import (
     AttnDIError,
     BackendImportError,
@@ -39,6 +58,7 @@ from attn_di.exceptions import (
     InvalidBackendNameError,
     InvalidBackendTypeError,
     InvalidClassPathError,
+    RegistrationsEnvError,
     UnexportableBackendError,
     UnknownBackendError,
 )
@@ -46,6 +66,17 @@ from attn_di.exceptions import (
 _Backend = DeprecatedBackendAlias
 """Deprecated alias of :class:`AttentionBackendEnum` (vLLM's old name); warns on use."""
 
-for _exported in (AttentionBackendEnum, BackendContainer, BackendOverride, BackendProvider):
+for _exported in (
+    AttentionBackendEnum,
+    BackendContainer,
+    BackendOverride,
+    BackendProvider,
+    OverrideBackendFixture,
+    PluginRecord,
+    PluginReport,
+    PropagatedRegistrations,
+):
     _exported.__module__ = "attn_di"
 del _exported
+
+apply_inherited_registrations()  # no-op unless ATTN_DI_REGISTRATIONS is set (worker processes)

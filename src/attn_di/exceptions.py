@@ -11,6 +11,7 @@ already catch, so ``except ValueError`` keeps working where vLLM raised one::
     ├── InvalidBackendTypeError (TypeError)             an argument of the wrong kind
     ├── InvalidBackendNameError (ValueError)            a runtime member name refused
     ├── UnexportableBackendError (ValueError)           a class with no importable path
+    ├── RegistrationsEnvError (ValueError)              inherited ATTN_DI_REGISTRATIONS unusable
     ├── UnsupportedFeatureError (NotImplementedError)   an impl asked for a feature it lacks
     └── InvalidInputError (ValueError)                  a tensor or size that does not fit
 
@@ -35,6 +36,7 @@ __all__ = [
     "InvalidBackendTypeError",
     "InvalidClassPathError",
     "InvalidInputError",
+    "RegistrationsEnvError",
     "UnexportableBackendError",
     "UnknownBackendError",
     "UnsupportedFeatureError",
@@ -273,6 +275,32 @@ class UnexportableBackendError(AttnDIError, ValueError):
             f"cannot export the registration of {self.member}: class {self.class_path!r} "
             f"{self.reason}"
         )
+
+
+class RegistrationsEnvError(AttnDIError, ValueError):
+    """The registrations inherited through the environment cannot be applied.
+
+    Raised by ``import attn_di`` in a process started with a malformed
+    ``ATTN_DI_REGISTRATIONS`` (see :func:`attn_di.propagate_registrations`).
+
+    Attributes:
+        variable: the environment variable's name.
+        value: its value, as found.
+        reason: why it cannot be applied.
+    """
+
+    def __init__(self, variable: str, value: str, reason: str) -> None:
+        super().__init__(variable, value, reason)
+        self.variable = variable
+        self.value = value
+        self.reason = reason
+        self.hint = (
+            f"{variable} is written by attn_di.propagate_registrations() or "
+            f"attn_di.ray_runtime_env() in the parent process; unset it, or write it with them"
+        )
+
+    def message(self) -> str:
+        return f"cannot apply the registrations inherited in {self.variable}: {self.reason}"
 
 
 class UnsupportedFeatureError(AttnDIError, NotImplementedError):

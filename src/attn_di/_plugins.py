@@ -1,0 +1,275 @@
+"""Out-of-tree backends: plugins in the ``attn_di.plugins`` entry-point group.
+
+A plugin is a zero-argument callable, named by an entry point of an installed distribution,
+that registers backends (``register_backend(...)``, runtime members included).
+:func:`load_plugins` calls each plugin once per process, honouring the ``ATTN_DI_PLUGINS``
+allowlist, and records which distribution provided which registrations
+(:func:`plugin_report`, shown by ``attn-di list``). A plugin that raises is logged with its
+traceback and reported; its partial registrations are rolled back; the others still load.
+
+Entry points are only read when :func:`load_plugins` is called, never at ``import attn_di``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from traceback import format_exception
+from typing import TYPE_CHECKING, Literal
+
+from attn_di._container import BackendContainer
+from attn_di._default import get_container
+from attn_di._enum import AttentionBackendEnum, remove_runtime_member, runtime_members
+from attn_di._propagation import PLUGINS_ENV
+from attn_di._provider import STATE_LOCK, Target
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
+
+__all__ = [
+    "PLUGIN_GROUP",
+    "PluginRecord",
+    "PluginReport",
+    "isolated_plugin_state",
+    "load_plugins",
+    "plugin_report",
+]
+
+PLUGIN_GROUP = "attn_di.plugins"
+"""The entry-point group of attn_di plugins."""
+
+PluginStatus = Literal["loaded", "failed", "skipped"]
+
+logger = logging.getLogger("attn_di.plugins")
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """One plugin entry point and what became of it.
+
+    Attributes:
+        name: the entry point's name (what ``ATTN_DI_PLUGINS`` lists).
+        value: the entry point's target, ``module:callable``.
+        distribution: the name of the distribution that provides it (None if unknown).
+        version: that distribution's version (None if unknown).
+        status: "loaded", "failed" (see :attr:`error`), or "skipped" (not allowlisted).
+        members: names of the members it registered or created, in enum order.
+        error: ``"ExceptionType: message"`` for a failed plugin.
+        traceback: the formatted traceback of a failed plugin.
+    """
+
+    name: str
+    value: str
+    distribution: str | None
+    version: str | None
+    status: PluginStatus
+    members: tuple[str, ...] = ()
+    error: str | None = None
+    traceback: str | None = None
+
+
+@dataclass(frozen=True)
+class PluginReport:
+    """What :func:`load_plugins` found, loaded, skipped and saw fail in this process.
+
+    Attributes:
+        plugins: every record: loaded and failed ones in load order, then skipped ones.
+        allowlist: the names ``ATTN_DI_PLUGINS`` allowed at the last load (None: all).
+        missing: allowlisted names that no installed entry point has.
+    """
+
+    plugins: tuple[PluginRecord, ...] = ()
+    allowlist: tuple[str, ...] | None = None
+    missing: tuple[str, ...] = field(default=())
+
+    @property
+    def loaded(self) -> tuple[PluginRecord, ...]:
+        """The plugins that ran without error."""
+        return tuple(p for p in self.plugins if p.status == "loaded")
+
+    @property
+    def failed(self) -> tuple[PluginRecord, ...]:
+        """The plugins that raised (nothing of theirs is kept)."""
+        return tuple(p for p in self.plugins if p.status == "failed")
+
+    @property
+    def skipped(self) -> tuple[PluginRecord, ...]:
+        """The plugins left out by ``ATTN_DI_PLUGINS``."""
+        return tuple(p for p in self.plugins if p.status == "skipped")
+
+    def origin(self, member: AttentionBackendEnum | str) -> PluginRecord | None:
+        """The loaded plugin that last registered ``member`` (a member or its name), if any."""
+        name = member.name if isinstance(member, AttentionBackendEnum) else member
+        for record in reversed(self.loaded):
+            if name in record.members:
+                return record
+        return None
+
+
+class _PluginState:
+    def __init__(self) -> None:
+        self.done: dict[tuple[str | None, str], PluginRecord] = {}
+        self.report = PluginReport()
+
+
+_state = _PluginState()
+_lock = threading.RLock()
+
+
+def load_plugins() -> PluginReport:
+    """Call every installed ``attn_di.plugins`` entry point once per process.
+
+    ``ATTN_DI_PLUGINS`` (comma-separated entry-point names) restricts which are loaded;
+    unset means all, empty means none. A later call loads only plugins not loaded before
+    (e.g. newly allowed), so calling it again is harmless. Registrations go to the default
+    container; each loaded plugin's are recorded with the source "plugin".
+
+    Returns:
+        The report of this process (also :func:`plugin_report`).
+    """
+    with _lock:
+        allowlist = _read_allowlist()
+        if allowlist is not None:
+            logger.info("%s allows the plugins %s", PLUGINS_ENV, list(allowlist))
+        skipped: list[PluginRecord] = []
+        found: set[str] = set()
+        for entry_point in _entry_points():
+            found.add(entry_point.name)
+            key = (_distribution(entry_point)[0], entry_point.name)
+            if key in _state.done:
+                continue
+            if allowlist is not None and entry_point.name not in allowlist:
+                logger.debug("skipping plugin %r: not in %s", entry_point.name, PLUGINS_ENV)
+                skipped.append(_record(entry_point, "skipped"))
+                continue
+            _state.done[key] = _load(entry_point, get_container())
+        missing = tuple(name for name in allowlist or () if name not in found)
+        for name in missing:
+            logger.warning("%s names %r, but no such plugin is installed", PLUGINS_ENV, name)
+        _state.report = PluginReport((*_state.done.values(), *skipped), allowlist, missing)
+        return _state.report
+
+
+def plugin_report() -> PluginReport:
+    """The report of the last :func:`load_plugins` in this process (empty before any)."""
+    return _state.report
+
+
+@contextmanager
+def isolated_plugin_state() -> Iterator[None]:
+    """Forget which plugins were loaded for a block, then restore that (for test isolation)."""
+    with _lock:
+        saved_done, saved_report = _state.done, _state.report
+        _state.done, _state.report = {}, PluginReport()
+    try:
+        yield
+    finally:
+        with _lock:
+            _state.done, _state.report = saved_done, saved_report
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _read_allowlist() -> tuple[str, ...] | None:
+    value = os.environ.get(PLUGINS_ENV)
+    if value is None:
+        return None
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
+def _entry_points() -> list[EntryPoint]:
+    from importlib.metadata import entry_points  # scanned here only, never at import
+
+    return list(entry_points(group=PLUGIN_GROUP))
+
+
+def _distribution(entry_point: EntryPoint) -> tuple[str | None, str | None]:
+    dist = entry_point.dist
+    if dist is None:
+        return None, None
+    return dist.name, dist.version
+
+
+def _record(
+    entry_point: EntryPoint,
+    status: PluginStatus,
+    members: tuple[str, ...] = (),
+    error: str | None = None,
+    traceback: str | None = None,
+) -> PluginRecord:
+    name, version = _distribution(entry_point)
+    return PluginRecord(
+        entry_point.name, entry_point.value, name, version, status, members, error, traceback
+    )
+
+
+def _load(entry_point: EntryPoint, container: BackendContainer) -> PluginRecord:
+    before = _registrations(container)
+    members_before = set(runtime_members())
+    where = _distribution(entry_point)[0] or "an unknown distribution"
+    try:
+        plugin = entry_point.load()
+        if not callable(plugin):
+            raise TypeError(f"{entry_point.value} is not callable: {plugin!r}")
+        plugin()
+    except Exception as error:
+        _roll_back(container, before, members_before)
+        logger.error(
+            "attn_di plugin %r from %s failed; its registrations were rolled back",
+            entry_point.name,
+            where,
+            exc_info=error,
+        )
+        return _record(
+            entry_point,
+            "failed",
+            error=f"{type(error).__name__}: {error}",
+            traceback="".join(format_exception(error)),
+        )
+    members = _attribute(container, before)
+    logger.info(
+        "loaded attn_di plugin %r from %s (registered %s)",
+        entry_point.name,
+        where,
+        ", ".join(members) or "nothing",
+    )
+    return _record(entry_point, "loaded", members=members)
+
+
+def _registrations(container: BackendContainer) -> dict[str, Target | None]:
+    return {member.name: container.provider(member)._registered for member in AttentionBackendEnum}
+
+
+def _attribute(container: BackendContainer, before: dict[str, Target | None]) -> tuple[str, ...]:
+    """Mark what a plugin registered or created with the source "plugin"; return the names."""
+    names: list[str] = []
+    for member in AttentionBackendEnum:
+        provider = container.provider(member)
+        target = provider._registered
+        if member.name not in before:  # a runtime member the plugin created
+            target = target or provider._default
+        elif target is None or target is before.get(member.name):
+            continue
+        if target is not None:
+            target.source = "plugin"
+        names.append(member.name)
+    return tuple(names)
+
+
+def _roll_back(
+    container: BackendContainer,
+    before: dict[str, Target | None],
+    members_before: set[AttentionBackendEnum],
+) -> None:
+    for member in runtime_members():
+        if member not in members_before:
+            remove_runtime_member(member)
+    for member in AttentionBackendEnum:
+        provider = container.provider(member)
+        previous = before.get(member.name)
+        if provider._registered is not previous:
+            with STATE_LOCK:
+                provider.set_registration(previous)

@@ -1,0 +1,208 @@
+"""Registrations across processes, through the ``ATTN_DI_REGISTRATIONS`` environment variable.
+
+The mechanism: :func:`propagate_registrations` exports the default container's registrations
+(``container.export_registrations()``, ``{member name: dotted path}``) as JSON into
+``os.environ["ATTN_DI_REGISTRATIONS"]``. Every process started afterwards inherits the
+variable, and ``import attn_di`` there applies it to the default container
+(:func:`apply_inherited_registrations`: one ``json.loads`` and one container, only when the
+variable is set). Nothing has to run in the child beyond importing attn_di, which happens
+anyway when a pickled member, a backend class or a function using attn_di arrives there.
+Applying at import (rather than when the default container is first used) means runtime
+members exist before anything in the child unpickles or names them.
+
+That covers ``multiprocessing`` spawn children, ``subprocess`` and Ray workers
+(:func:`ray_runtime_env` puts the variable in a Ray ``runtime_env``). Limits:
+
+- a snapshot, not a live link: registrations made after the call do not reach processes
+  started later until it is called again;
+- the forkserver process is started once, with the environment of that moment: call
+  :func:`propagate_registrations` before the first forkserver child starts, or pass
+  ``initializer=handle.initializer, initargs=handle.initargs`` to a pool;
+- registrations only: override blocks are scoped to their process and never exported;
+- a class with no importable path (defined in a function) cannot be exported:
+  :class:`~attn_di.exceptions.UnexportableBackendError`, naming it, and nothing is written;
+- paths are imported lazily in the child: a path that does not import there fails on first
+  resolution with :class:`~attn_di.exceptions.BackendImportError`;
+- the value is limited by the OS (about 128 KiB for one variable on Linux).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from attn_di._container import BackendContainer
+from attn_di._default import get_container
+from attn_di.exceptions import AttnDIError, RegistrationsEnvError
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = [
+    "PLUGINS_ENV",
+    "REGISTRATIONS_ENV",
+    "PropagatedRegistrations",
+    "apply_inherited_registrations",
+    "apply_snapshot",
+    "propagate_registrations",
+    "ray_runtime_env",
+]
+
+REGISTRATIONS_ENV = "ATTN_DI_REGISTRATIONS"
+"""The environment variable carrying ``{member name: dotted path}`` as JSON."""
+
+PLUGINS_ENV = "ATTN_DI_PLUGINS"
+"""The plugin allowlist (see :func:`attn_di.load_plugins`); passed on to Ray workers."""
+
+
+def propagate_registrations(container: BackendContainer | None = None) -> PropagatedRegistrations:
+    """Write the registrations into ``ATTN_DI_REGISTRATIONS`` for processes started from now on.
+
+    ``import attn_di`` in a child process (multiprocessing spawn or forkserver, subprocess)
+    applies them to its default container. The variable stays set until the returned
+    handle is restored (``with propagate_registrations(): ...`` restores on exit).
+
+    Args:
+        container: whose registrations to export; the default container if None.
+
+    Returns:
+        The handle: its ``snapshot``, and ``initializer`` / ``initargs`` for process pools.
+
+    Raises:
+        UnexportableBackendError: a registered class with no importable path (named in
+            the message); nothing is written.
+    """
+    snapshot = (container if container is not None else get_container()).export_registrations()
+    handle = PropagatedRegistrations(snapshot)
+    handle.apply()
+    return handle
+
+
+def ray_runtime_env(
+    runtime_env: Mapping[str, Any] | None = None, *, container: BackendContainer | None = None
+) -> dict[str, Any]:
+    """A Ray ``runtime_env`` whose workers resolve this process's registrations.
+
+    ``ray.init(runtime_env=ray_runtime_env())`` for every task and actor of the job, or
+    ``task.options(runtime_env=ray_runtime_env())`` for some. The registrations travel in
+    ``env_vars`` (``ATTN_DI_REGISTRATIONS``, and ``ATTN_DI_PLUGINS`` when set here) and are
+    applied when the worker imports attn_di. Ray itself is not imported.
+
+    Args:
+        runtime_env: a runtime_env to extend (copied, not changed); its other keys and
+            ``env_vars`` are kept, attn_di's variables replace any of the same name.
+        container: whose registrations to export; the default container if None.
+
+    Raises:
+        UnexportableBackendError: a registered class with no importable path.
+    """
+    snapshot = (container if container is not None else get_container()).export_registrations()
+    extended = dict(runtime_env or {})
+    env_vars = dict(extended.get("env_vars") or {})
+    env_vars[REGISTRATIONS_ENV] = encode_snapshot(snapshot)
+    allowlist = os.environ.get(PLUGINS_ENV)
+    if allowlist is not None:
+        env_vars[PLUGINS_ENV] = allowlist
+    extended["env_vars"] = env_vars
+    return extended
+
+
+class PropagatedRegistrations:
+    """The registrations written to ``ATTN_DI_REGISTRATIONS``, until :meth:`restore`.
+
+    Attributes:
+        snapshot: ``{member name: dotted path}`` as exported.
+        environ: ``{"ATTN_DI_REGISTRATIONS": json}``, for an explicit ``env=`` of a child.
+        initializer: :func:`apply_snapshot`, picklable; with :attr:`initargs`, for
+            ``multiprocessing.Pool`` / ``ProcessPoolExecutor`` (e.g. with a forkserver
+            started before the registrations were made).
+        initargs: ``(snapshot,)``.
+    """
+
+    initializer: Callable[[Mapping[str, str]], None]
+
+    def __init__(self, snapshot: dict[str, str]) -> None:
+        self.snapshot = snapshot
+        self.environ = {REGISTRATIONS_ENV: encode_snapshot(snapshot)}
+        self.initializer = apply_snapshot
+        self.initargs = (snapshot,)
+        self._previous: str | None = None
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        """True while the variable holds this snapshot (until restored)."""
+        return self._active
+
+    def apply(self) -> None:
+        """Write the variable (done by :func:`propagate_registrations`)."""
+        self._previous = os.environ.get(REGISTRATIONS_ENV)
+        os.environ.update(self.environ)
+        self._active = True
+
+    def restore(self) -> None:
+        """Put back the variable's previous value (or unset it). No-op if already restored."""
+        if not self._active:
+            return
+        self._active = False
+        if self._previous is None:
+            os.environ.pop(REGISTRATIONS_ENV, None)
+        else:
+            os.environ[REGISTRATIONS_ENV] = self._previous
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.restore()
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "restored"
+        return f"<PropagatedRegistrations {state}: {self.snapshot}>"
+
+
+def apply_snapshot(snapshot: Mapping[str, str]) -> None:
+    """Apply an exported snapshot to the default container (a pool ``initializer``).
+
+    Idempotent: members that already exist (e.g. created from the environment at import)
+    are registered again with the same path.
+    """
+    get_container().apply_registrations(snapshot)
+
+
+def apply_inherited_registrations() -> None:
+    """Apply ``ATTN_DI_REGISTRATIONS``, if set and not empty, to the default container.
+
+    Called once by ``import attn_di``.
+
+    Raises:
+        RegistrationsEnvError: the value is not a JSON object of names to class paths, or a
+            name or path in it is refused; nothing is applied.
+    """
+    encoded = os.environ.get(REGISTRATIONS_ENV)
+    if not encoded:
+        return
+    try:
+        snapshot = json.loads(encoded)
+    except ValueError as error:
+        raise RegistrationsEnvError(REGISTRATIONS_ENV, encoded, f"not JSON ({error})") from error
+    if not isinstance(snapshot, dict):
+        reason = f"expected a JSON object {{name: class path}}, got {type(snapshot).__name__}"
+        raise RegistrationsEnvError(REGISTRATIONS_ENV, encoded, reason)
+    try:
+        get_container().apply_registrations(snapshot)
+    except AttnDIError as error:
+        raise RegistrationsEnvError(REGISTRATIONS_ENV, encoded, error.message()) from error
+
+
+def encode_snapshot(snapshot: Mapping[str, str]) -> str:
+    """The compact JSON text of a snapshot (keys sorted: equal snapshots, equal values)."""
+    return json.dumps(dict(snapshot), sort_keys=True, separators=(",", ":"))
