@@ -195,3 +195,15 @@ def test_inherited_registrations_error_keeps_its_data(
     assert caught.value.value == value
     assert "snapshot['FLASH_ATTN']" in caught.value.reason
     assert container.source(CUSTOM) == "unset"
+
+
+def test_applying_a_snapshot_twice_is_harmless(new_name: Callable[[], str]) -> None:
+    """apply_snapshot (the pool initializer) also works where the members already exist."""
+    from attn_di._propagation import apply_snapshot
+
+    runtime_name = new_name()
+    snapshot = {"CUSTOM": "collections.OrderedDict", runtime_name: "collections.Counter"}
+    apply_snapshot(snapshot)
+    apply_snapshot(snapshot)
+    assert AttentionBackendEnum[runtime_name].get_class().__name__ == "Counter"
+    assert CUSTOM.get_class().__name__ == "OrderedDict"
