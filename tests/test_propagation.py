@@ -46,6 +46,7 @@ def _run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[s
     )
 
 
+# The forkserver starts at its first use in this process (here), after the variable is written.
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_children_see_the_parents_registrations(
     start_method: str, make_module: Callable[[str, str], str], new_name: Callable[[], str]

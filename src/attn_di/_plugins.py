@@ -113,6 +113,7 @@ class PluginReport:
 class _PluginState:
     def __init__(self) -> None:
         self.done: dict[tuple[str | None, str], PluginRecord] = {}
+        self.running: set[tuple[str | None, str]] = set()  # a plugin calling load_plugins()
         self.report = PluginReport()
 
 
@@ -140,13 +141,17 @@ def load_plugins() -> PluginReport:
         for entry_point in _entry_points():
             found.add(entry_point.name)
             key = (_distribution(entry_point)[0], entry_point.name)
-            if key in _state.done:
+            if key in _state.done or key in _state.running:
                 continue
             if allowlist is not None and entry_point.name not in allowlist:
                 logger.debug("skipping plugin %r: not in %s", entry_point.name, PLUGINS_ENV)
                 skipped.append(_record(entry_point, "skipped"))
                 continue
-            _state.done[key] = _load(entry_point, get_container())
+            _state.running.add(key)
+            try:
+                _state.done[key] = _load(entry_point, get_container())
+            finally:
+                _state.running.discard(key)
         missing = tuple(name for name in allowlist or () if name not in found)
         for name in missing:
             logger.warning("%s names %r, but no such plugin is installed", PLUGINS_ENV, name)
@@ -163,13 +168,13 @@ def plugin_report() -> PluginReport:
 def isolated_plugin_state() -> Iterator[None]:
     """Forget which plugins were loaded for a block, then restore that (for test isolation)."""
     with _lock:
-        saved_done, saved_report = _state.done, _state.report
-        _state.done, _state.report = {}, PluginReport()
+        saved = _state.done, _state.running, _state.report
+        _state.done, _state.running, _state.report = {}, set(), PluginReport()
     try:
         yield
     finally:
         with _lock:
-            _state.done, _state.report = saved_done, saved_report
+            _state.done, _state.running, _state.report = saved
 
 
 # -- helpers ------------------------------------------------------------------------------
