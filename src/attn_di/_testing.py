@@ -15,7 +15,7 @@ from typing import Any
 from attn_di._container import BackendContainer, BackendKey
 from attn_di._default import use_container
 from attn_di._enum import AttentionBackendEnum, remove_runtime_member, runtime_members
-from attn_di._overrides import BackendOverride
+from attn_di._overrides import BackendOverride, ContainerOverride
 from attn_di._plugins import isolated_plugin_state
 from attn_di._provider import LOCAL_LAYERS, STATE_LOCK
 
@@ -41,7 +41,7 @@ class OverrideBackendFixture:
 
     def __init__(self, container: BackendContainer) -> None:
         self.container = container
-        self._handles: list[BackendOverride] = []
+        self._handles: list[BackendOverride | ContainerOverride] = []
 
     def __call__(
         self,
@@ -49,7 +49,7 @@ class OverrideBackendFixture:
         impl: Any = _MISSING,
         *,
         local: bool = False,
-    ) -> BackendOverride:
+    ) -> BackendOverride | ContainerOverride:
         """Override ``member`` with ``impl`` (or a mapping ``{member: impl}``) until the test ends.
 
         Returns:
