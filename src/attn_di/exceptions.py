@@ -108,7 +108,8 @@ class BackendNotRegisteredError(AttnDIError, ValueError):
         super().__init__(member)
         self.member = member
         self.hint = (
-            f'register one first: `register_backend(AttentionBackendEnum.{member}, "pkg.mod.Class")`'
+            "register one first: "
+            f'`register_backend(AttentionBackendEnum.{member}, "pkg.mod.Class")`'
             f" or decorate the class with `@register_backend(AttentionBackendEnum.{member})`"
         )
 
