@@ -1,0 +1,186 @@
+"""CPU_ATTN: pure-torch paged attention, the workhorse on CPU.
+
+Each group of sequences is gathered from the paged cache into a ``[H_kv * b, Lk, D]``
+batch and attended with two batched matmuls and a masked softmax in float32:
+``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017), with the optional soft cap,
+ALiBi bias, sliding window and sinks of :class:`~attn_di.backend.AttentionImpl`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from attn_di.backend._backend import AttentionBackend
+from attn_di.backend._impl import AttentionImpl
+from attn_di.backend._metadata import AttentionMetadata
+from attn_di.backend._types import AttentionType
+from attn_di.backends._common import (
+    BatchPlan,
+    SeqGroup,
+    alibi_bias,
+    check_inputs,
+    new_output,
+    uses_cache,
+    write_kv_cache,
+)
+
+__all__ = ["CPUAttentionBackend", "CPUAttentionImpl"]
+
+
+class CPUAttentionBackend(AttentionBackend):
+    """Paged attention in plain torch ops: every feature, any head or block size.
+
+    Supports fp32/bf16/fp16 on CPU (and any torch device), sinks, sliding window, soft cap,
+    ALiBi, GQA/MQA, decoder, encoder and encoder-only attention; mixed batches of prefill,
+    chunked prefill and decode. Autograd flows through it (no in-place ops on inputs other
+    than the cache write).
+    """
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+    supported_attn_types: ClassVar[tuple[str, ...]] = (
+        AttentionType.DECODER,
+        AttentionType.ENCODER,
+        AttentionType.ENCODER_ONLY,
+    )
+    supports_backward: ClassVar[bool] = True
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    @staticmethod
+    def get_name() -> str:
+        """``"CPU_ATTN"``."""
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[CPUAttentionImpl]:
+        """:class:`CPUAttentionImpl`."""
+        return CPUAttentionImpl
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        """True: sinks join the softmax denominator."""
+        return True
+
+
+class CPUAttentionImpl(AttentionImpl):
+    """The CPU_ATTN computation; see :class:`~attn_di.backend.AttentionImpl` for arguments."""
+
+    backend: ClassVar[type[AttentionBackend]] = CPUAttentionBackend
+    supports_alibi: ClassVar[bool] = True
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write keys/values into ``kv_cache``, then attend; see :meth:`AttentionImpl.forward`."""
+        check_inputs(self, query, key, value, kv_cache, attn_metadata, output)
+        result = new_output(query, output)
+        actual = attn_metadata.num_actual_tokens
+        if uses_cache(self):
+            write_kv_cache(key[:actual], value[:actual], kv_cache, attn_metadata.slot_mapping)
+            flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+            key_src, value_src = flat[0], flat[1]
+            block_size = int(kv_cache.shape[2])
+        else:
+            key_src, value_src, block_size = key, value, 1
+        rows = result.view(-1, self.num_heads, self.head_size)
+        for group in BatchPlan(self, attn_metadata, block_size).groups():
+            attended = self._attend(query, key_src, value_src, group)
+            rows[group.query_index[group.query_valid]] = attended[group.query_valid].to(
+                result.dtype
+            )
+        return result
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key_src: torch.Tensor,
+        value_src: torch.Tensor,
+        group: SeqGroup,
+    ) -> torch.Tensor:
+        """``[b, Lq, H, D]`` float32 attention of one group, over key chunks.
+
+        Keys are visited in chunks of :func:`_chunk_len` tokens with the online-softmax
+        recurrence of Milakov & Gimelshein 2018 ("Online normalizer calculation for
+        softmax"), so gathered keys/values stay cache-sized and buffers are reused.
+        """
+        kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
+        seqs, q_len = group.query_index.shape
+        k_len = int(group.kv_index.shape[1])
+        rows, batch = per_kv * q_len, kv_heads * seqs
+        queries = query[group.query_index].float()  # [b, Lq, H, D]
+        queries = queries.view(seqs, q_len, kv_heads, per_kv, size).permute(2, 0, 3, 1, 4)
+        queries = (queries * self.scale).reshape(batch, rows, size)
+        if self.sinks is not None:
+            sinks = self.sinks.float().view(kv_heads, 1, per_kv, 1, 1)
+            peak = sinks.expand(kv_heads, seqs, per_kv, q_len, 1).reshape(batch, rows, 1)
+            denom = torch.ones(batch, rows, 1)
+        else:
+            peak = torch.full((batch, rows, 1), float("-inf"))
+            denom = torch.zeros(batch, rows, 1)
+        acc = torch.zeros(batch, rows, size)
+        bias = None
+        if self.alibi_slopes is not None:
+            bias = alibi_bias(self.alibi_slopes, group).view(seqs, kv_heads, per_kv, q_len, k_len)
+            bias = bias.transpose(0, 1)
+        chunk = _chunk_len(seqs, kv_heads, size, rows)
+        gathered = key_src.new_empty((seqs * min(chunk, k_len), kv_heads, size))
+        keys = torch.empty(kv_heads, seqs, min(chunk, k_len), size)
+        values = torch.empty_like(keys)
+        for start in range(0, k_len, chunk):
+            stop = min(k_len, start + chunk)
+            width = stop - start
+            index = group.kv_index[:, start:stop].reshape(-1)
+            k_view, v_view = keys[:, :, :width], values[:, :, :width]
+            # Gather token rows (contiguous H_kv * D runs), then transpose-copy to head-major
+            # float32 in one pass; both buffers stay cache-sized and are reused.
+            staged = gathered[: seqs * width]
+            torch.index_select(key_src, 0, index, out=staged)
+            k_view.copy_(staged.view(seqs, width, kv_heads, size).permute(2, 0, 1, 3))
+            torch.index_select(value_src, 0, index, out=staged)
+            v_view.copy_(staged.view(seqs, width, kv_heads, size).permute(2, 0, 1, 3))
+            k_mat = keys.view(batch, -1, size)[:, :width] if width == keys.shape[2] else None
+            if k_mat is None:
+                k_mat = k_view.reshape(batch, width, size)
+                v_mat = v_view.reshape(batch, width, size)
+            else:
+                v_mat = values.view(batch, -1, size)
+            scores = torch.bmm(queries, k_mat.transpose(1, 2))  # [H_kv * b, g * Lq, width]
+            scores5 = scores.view(kv_heads, seqs, per_kv, q_len, width)
+            if self.logits_soft_cap is not None:
+                cap = self.logits_soft_cap
+                scores5 = torch.tanh(scores5 / cap) * cap
+            if bias is not None:
+                scores5 = scores5 + bias[..., start:stop]
+            allowed = group.allowed[None, :, None, :, start:stop]
+            scores5 = scores5.masked_fill(~allowed, float("-inf"))
+            scores = scores5.reshape(batch, rows, width)
+            new_peak = torch.maximum(peak, scores.amax(dim=-1, keepdim=True))
+            safe_peak = torch.where(torch.isfinite(new_peak), new_peak, 0.0)
+            weights = torch.exp(scores - safe_peak)
+            rescale = torch.exp(peak - safe_peak)
+            denom = denom * rescale + weights.sum(dim=-1, keepdim=True)
+            acc = acc * rescale + torch.bmm(weights, v_mat)
+            peak = new_peak
+        attended = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)
+        attended = attended.view(kv_heads, seqs, per_kv, q_len, size).permute(1, 3, 0, 2, 4)
+        return attended.reshape(seqs, q_len, self.num_heads, size)
+
+
+# Bytes of float32 keys gathered per chunk: small enough to stay in a CPU's L2/L3 cache.
+_CHUNK_BYTES = 4 << 20
+
+
+def _chunk_len(seqs: int, kv_heads: int, size: int, rows: int) -> int:
+    """Keys per chunk so that one chunk of keys (and of scores) fits :data:`_CHUNK_BYTES`."""
+    per_key = 4 * seqs * kv_heads * max(size, rows)
+    return max(16, _CHUNK_BYTES // per_key)
