@@ -6,6 +6,9 @@ tensors; which key each query sees (sequence, causality, sliding window) becomes
 the returned log-sum-exp: with ``Z = exp(lse)``, ``out * Z / (Z + exp(sink))`` equals
 ``out * sigmoid(lse - sink)``.
 
+Sinks need the log-sum-exp, which torch 2.13's compiled CPU kernel cannot return, so a
+compiled impl refuses sinks.
+
 Eager by default: on CPU torch then runs an unfused implementation and warns once per
 process ("flex_attention called without torch.compile()"); attn_di silences exactly that
 warning because eager is its deliberate default. Compiled mode (torch.compile of
@@ -37,6 +40,7 @@ from attn_di.backends._common import (
     uses_cache,
     write_kv_cache,
 )
+from attn_di.exceptions import UnsupportedFeatureError
 
 __all__ = ["COMPILE_ENV_VAR", "FlexAttentionBackend", "FlexAttentionImpl"]
 
@@ -97,6 +101,11 @@ class FlexAttentionImpl(AttentionImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.compiled = type(self).compile_default or os.environ.get(COMPILE_ENV_VAR) == "1"
+        if self.compiled and self.sinks is not None:
+            # torch 2.13's compiled CPU flex attention cannot return the log-sum-exp.
+            raise UnsupportedFeatureError(
+                "FLEX_ATTENTION", "sinks in compiled mode", ("CPU_ATTN", "TORCH_SDPA")
+            )
 
     def forward(
         self,
@@ -151,7 +160,7 @@ class FlexAttentionImpl(AttentionImpl):
         )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_EAGER_WARNING, category=UserWarning)
-            result: tuple[torch.Tensor, Any] = _flex_fn(self.compiled)(
+            result = _flex_fn(self.compiled)(
                 queries,
                 keys,
                 values,
@@ -159,10 +168,12 @@ class FlexAttentionImpl(AttentionImpl):
                 block_mask=block_mask,
                 scale=self.scale,
                 enable_gqa=self.num_kv_heads != self.num_heads,
-                return_aux=flex.AuxRequest(lse=True),
+                return_aux=flex.AuxRequest(lse=True) if self.sinks is not None else None,
             )
-        attended, aux = result
-        if self.sinks is not None:
+        if self.sinks is None:
+            attended: torch.Tensor = result
+        else:
+            attended, aux = result
             lse = aux.lse.float()  # [b, H, Lq], natural log
             sink = self.sinks.float().view(1, -1, 1)
             keep = torch.sigmoid(lse - sink).unsqueeze(-1)
