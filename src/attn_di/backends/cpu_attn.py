@@ -132,28 +132,12 @@ class CPUAttentionImpl(AttentionImpl):
         if self.alibi_slopes is not None:
             bias = alibi_bias(self.alibi_slopes, group).view(seqs, kv_heads, per_kv, q_len, k_len)
             bias = bias.transpose(0, 1)
-        chunk = _chunk_len(seqs, kv_heads, size, rows)
-        gathered = key_src.new_empty((seqs * min(chunk, k_len), kv_heads, size))
-        keys = torch.empty(kv_heads, seqs, min(chunk, k_len), size)
-        values = torch.empty_like(keys)
+        chunk = min(_chunk_len(seqs, kv_heads, size, rows), k_len)
+        gather = _HeadMajorGather(key_src, value_src, seqs, chunk)
         for start in range(0, k_len, chunk):
             stop = min(k_len, start + chunk)
             width = stop - start
-            index = group.kv_index[:, start:stop].reshape(-1)
-            k_view, v_view = keys[:, :, :width], values[:, :, :width]
-            # Gather token rows (contiguous H_kv * D runs), then transpose-copy to head-major
-            # float32 in one pass; both buffers stay cache-sized and are reused.
-            staged = gathered[: seqs * width]
-            torch.index_select(key_src, 0, index, out=staged)
-            k_view.copy_(staged.view(seqs, width, kv_heads, size).permute(2, 0, 1, 3))
-            torch.index_select(value_src, 0, index, out=staged)
-            v_view.copy_(staged.view(seqs, width, kv_heads, size).permute(2, 0, 1, 3))
-            k_mat = keys.view(batch, -1, size)[:, :width] if width == keys.shape[2] else None
-            if k_mat is None:
-                k_mat = k_view.reshape(batch, width, size)
-                v_mat = v_view.reshape(batch, width, size)
-            else:
-                v_mat = values.view(batch, -1, size)
+            k_mat, v_mat = gather(group.kv_index[:, start:stop])  # [H_kv * b, width, D] fp32
             scores = torch.bmm(queries, k_mat.transpose(1, 2))  # [H_kv * b, g * Lq, width]
             scores5 = scores.view(kv_heads, seqs, per_kv, q_len, width)
             if self.logits_soft_cap is not None:
@@ -174,6 +158,52 @@ class CPUAttentionImpl(AttentionImpl):
         attended = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)
         attended = attended.view(kv_heads, seqs, per_kv, q_len, size).permute(1, 3, 0, 2, 4)
         return attended.reshape(seqs, q_len, self.num_heads, size)
+
+
+class _HeadMajorGather:
+    """Gathers key/value chunks from a token-major source into reused head-major buffers.
+
+    The source is ``[S, H_kv, D]`` (cache slots or tokens); a chunk of ``b`` sequences by
+    ``w`` keys comes out as float32 ``[H_kv * b, w, D]``, ready for ``torch.bmm``. float32
+    sources are gathered row by row (``D`` contiguous values) straight into head-major
+    order; other dtypes are gathered token by token, then transposed and up-cast in one copy.
+    Buffers are allocated once per group, so no chunk pays for fresh pages.
+    """
+
+    def __init__(
+        self, key_src: torch.Tensor, value_src: torch.Tensor, seqs: int, chunk: int
+    ) -> None:
+        self.key_src, self.value_src = key_src, value_src
+        self.seqs = seqs
+        self.kv_heads, self.size = int(key_src.shape[1]), int(key_src.shape[2])
+        self.direct = key_src.dtype == torch.float32
+        shape = (self.kv_heads * seqs * chunk, self.size)
+        self.keys = torch.empty(shape, device=key_src.device)
+        self.values = torch.empty(shape, device=key_src.device)
+        if not self.direct:
+            self.staged = key_src.new_empty((seqs * chunk, self.kv_heads, self.size))
+        self.head_offsets = torch.arange(self.kv_heads, device=key_src.device)[:, None]
+
+    def __call__(self, kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``kv_index`` (``[b, w]`` source rows), float32 head-major."""
+        width = int(kv_index.shape[1])
+        count = self.kv_heads * self.seqs * width
+        batch = self.kv_heads * self.seqs
+        keys, values = self.keys[:count], self.values[:count]
+        if self.direct:
+            rows = (kv_index.reshape(1, -1) * self.kv_heads + self.head_offsets).reshape(-1)
+            torch.index_select(self.key_src.reshape(-1, self.size), 0, rows, out=keys)
+            torch.index_select(self.value_src.reshape(-1, self.size), 0, rows, out=values)
+        else:
+            index = kv_index.reshape(-1)
+            staged = self.staged[: self.seqs * width]
+            shape = (self.seqs, width, self.kv_heads, self.size)
+            for src, dst in ((self.key_src, keys), (self.value_src, values)):
+                torch.index_select(src, 0, index, out=staged)
+                dst.view(self.kv_heads, self.seqs, width, self.size).copy_(
+                    staged.view(shape).permute(2, 0, 1, 3)
+                )
+        return keys.view(batch, width, self.size), values.view(batch, width, self.size)
 
 
 # Bytes of float32 keys gathered per chunk: small enough to stay in a CPU's L2/L3 cache.
