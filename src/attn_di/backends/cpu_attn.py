@@ -190,7 +190,12 @@ class _HeadMajorGather:
         count = self.kv_heads * self.seqs * width
         batch = self.kv_heads * self.seqs
         keys, values = self.keys[:count], self.values[:count]
-        if self.direct:
+        if self.key_src.requires_grad or self.value_src.requires_grad:
+            # out= ops do not record autograd: gather out of place when gradients flow.
+            rows = (kv_index.reshape(1, -1) * self.kv_heads + self.head_offsets).reshape(-1)
+            keys = self.key_src.reshape(-1, self.size)[rows].float()
+            values = self.value_src.reshape(-1, self.size)[rows].float()
+        elif self.direct:
             rows = (kv_index.reshape(1, -1) * self.kv_heads + self.head_offsets).reshape(-1)
             torch.index_select(self.key_src.reshape(-1, self.size), 0, rows, out=keys)
             torch.index_select(self.value_src.reshape(-1, self.size), 0, rows, out=values)
