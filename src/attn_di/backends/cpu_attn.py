@@ -71,6 +71,10 @@ class CPUAttentionImpl(AttentionImpl):
     supports_sliding_window: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._workspace = _Workspace()
+
     def forward(
         self,
         layer: Any,
@@ -133,7 +137,7 @@ class CPUAttentionImpl(AttentionImpl):
             bias = alibi_bias(self.alibi_slopes, group).view(seqs, kv_heads, per_kv, q_len, k_len)
             bias = bias.transpose(0, 1)
         chunk = min(_chunk_len(seqs, kv_heads, size, rows), k_len)
-        gather = _HeadMajorGather(key_src, value_src, seqs, chunk)
+        gather = _HeadMajorGather(key_src, value_src, seqs, chunk, self._workspace)
         for start in range(0, k_len, chunk):
             stop = min(k_len, start + chunk)
             width = stop - start
@@ -171,17 +175,24 @@ class _HeadMajorGather:
     """
 
     def __init__(
-        self, key_src: torch.Tensor, value_src: torch.Tensor, seqs: int, chunk: int
+        self,
+        key_src: torch.Tensor,
+        value_src: torch.Tensor,
+        seqs: int,
+        chunk: int,
+        workspace: _Workspace,
     ) -> None:
         self.key_src, self.value_src = key_src, value_src
         self.seqs = seqs
         self.kv_heads, self.size = int(key_src.shape[1]), int(key_src.shape[2])
         self.direct = key_src.dtype == torch.float32
-        shape = (self.kv_heads * seqs * chunk, self.size)
-        self.keys = torch.empty(shape, device=key_src.device)
-        self.values = torch.empty(shape, device=key_src.device)
+        count = self.kv_heads * seqs * chunk * self.size
+        device = key_src.device
+        self.keys = workspace.get("keys", count, torch.float32, device).view(-1, self.size)
+        self.values = workspace.get("values", count, torch.float32, device).view(-1, self.size)
         if not self.direct:
-            self.staged = key_src.new_empty((seqs * chunk, self.kv_heads, self.size))
+            staged = workspace.get("staged", count, key_src.dtype, device)
+            self.staged = staged.view(seqs * chunk, self.kv_heads, self.size)
         self.head_offsets = torch.arange(self.kv_heads, device=key_src.device)[:, None]
 
     def __call__(self, kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +220,30 @@ class _HeadMajorGather:
                     staged.view(shape).permute(2, 0, 1, 3)
                 )
         return keys.view(batch, width, self.size), values.view(batch, width, self.size)
+
+
+class _Workspace:
+    """Scratch buffers kept between calls, so that steady-state decode allocates no pages.
+
+    Each named buffer grows to the largest size asked for and is then reused; an impl is
+    therefore not safe to call from two threads at once (neither are vLLM's).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat tensor of ``numel`` elements (contents undefined)."""
+        buffer = self._buffers.get(name)
+        if (
+            buffer is None
+            or buffer.numel() < numel
+            or buffer.dtype != dtype
+            or buffer.device != device
+        ):
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = buffer
+        return buffer[:numel]
 
 
 # Bytes of float32 keys gathered per chunk: small enough to stay in a CPU's L2/L3 cache.
