@@ -124,9 +124,9 @@ def test_long_prefill_is_chunked_exactly(
     """A score budget smaller than one sequence still gives the exact result (query chunks)."""
     from attn_di.backends import _common
 
-    monkeypatch.setattr(_common, "SCORE_BUDGET", 64 * 4)
+    monkeypatch.setattr(_common, "SCORE_BUDGET", 4 * 40 * 16)
     opts = Options(num_heads=4, num_kv_heads=1, head_size=64, sliding_window=20)
-    batch = make_batch(opts, [70, 1, 30], [70, 90, 50], 16, torch.float32)
+    batch = make_batch(opts, [40, 1, 30], [40, 60, 50], 16, torch.float32)
     impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
 
     out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
