@@ -1,9 +1,14 @@
 """CPU_ATTN: pure-torch paged attention, the workhorse on CPU.
 
-Each group of sequences is gathered from the paged cache into a ``[H_kv * b, Lk, D]``
-batch and attended with two batched matmuls and a masked softmax in float32:
-``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017), with the optional soft cap,
-ALiBi bias, sliding window and sinks of :class:`~attn_di.backend.AttentionImpl`.
+``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017) over each sequence's keys,
+gathered from the paged cache in cache-sized chunks whose results are merged exactly
+(online softmax / log-sum-exp). Two paths:
+
+* without soft cap or ALiBi, and without autograd, on CPU: torch's fused CPU flash kernel
+  (``aten._scaled_dot_product_flash_attention_for_cpu``) with GQA folded into the query
+  axis; sinks are applied from its log-sum-exp;
+* otherwise: two float32 batched matmuls per chunk with the soft cap, ALiBi bias, mask and
+  sinks applied to the scores.
 """
 
 from __future__ import annotations
@@ -117,6 +122,8 @@ class CPUAttentionImpl(AttentionImpl):
         recurrence of Milakov & Gimelshein 2018 ("Online normalizer calculation for
         softmax"), so gathered keys/values stay cache-sized and buffers are reused.
         """
+        if _use_flash_kernel(self, query, key_src, value_src):
+            return self._attend_flash(query, key_src, value_src, group)
         kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         seqs, q_len = group.query_index.shape
         k_len = int(group.kv_index.shape[1])
@@ -162,6 +169,84 @@ class CPUAttentionImpl(AttentionImpl):
         attended = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)
         attended = attended.view(kv_heads, seqs, per_kv, q_len, size).permute(1, 3, 0, 2, 4)
         return attended.reshape(seqs, q_len, self.num_heads, size)
+
+    def _attend_flash(
+        self,
+        query: torch.Tensor,
+        key_src: torch.Tensor,
+        value_src: torch.Tensor,
+        group: SeqGroup,
+    ) -> torch.Tensor:
+        """``[b, Lq, H, D]`` float32 attention of one group through torch's CPU flash kernel.
+
+        GQA is folded into the query axis: the g query heads of a KV head become g * Lq
+        query rows against that KV head, each row carrying its query's mask row. Keys are
+        gathered token-major in cache-sized chunks and passed as strided views; the chunks'
+        results are merged exactly through their log-sum-exps
+        (``out = sum_c out_c * exp(lse_c - lse)``, ``lse = logsumexp_c lse_c``), and sinks
+        scale the result by ``sigmoid(lse - sink)``.
+        """
+        kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
+        seqs, q_len = (int(n) for n in group.query_index.shape)
+        k_len, rows = int(group.kv_index.shape[1]), per_kv * q_len
+        dtype = query.dtype
+        queries = query[group.query_index].view(seqs, q_len, kv_heads, per_kv, size)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(seqs, kv_heads, rows, size)
+        chunk = min(k_len, max(16, _CHUNK_BYTES // (16 * seqs * kv_heads * size)))
+        count = seqs * chunk * kv_heads * size
+        key_buf = self._workspace.get("flash_keys", count, dtype, query.device)
+        value_buf = self._workspace.get("flash_values", count, dtype, query.device)
+        blocked = torch.finfo(dtype).min
+        acc: torch.Tensor | None = None
+        lse = torch.empty(0)
+        for start in range(0, k_len, chunk):
+            stop = min(k_len, start + chunk)
+            width = stop - start
+            index = group.kv_index[:, start:stop].reshape(-1)
+            keys = key_buf[: seqs * width * kv_heads * size].view(seqs * width, kv_heads, size)
+            values = value_buf[: keys.numel()].view_as(keys)
+            torch.index_select(key_src, 0, index, out=keys)
+            torch.index_select(value_src, 0, index, out=values)
+            allowed = group.allowed[:, None, None, :, start:stop]
+            mask = torch.where(allowed, 0.0, blocked).to(dtype)
+            mask = mask.expand(seqs, 1, per_kv, q_len, width).reshape(seqs, 1, rows, width)
+            out, chunk_lse = _FLASH_FOR_CPU(
+                queries,
+                keys.view(seqs, width, kv_heads, size).transpose(1, 2),
+                values.view(seqs, width, kv_heads, size).transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scale,
+            )
+            chunk_lse = chunk_lse.float().unsqueeze(-1)  # [b, H_kv, g * Lq, 1]
+            if acc is None:
+                acc, lse = out.float(), chunk_lse
+            else:
+                merged = torch.logaddexp(lse, chunk_lse)
+                acc = acc * torch.exp(lse - merged) + out.float() * torch.exp(chunk_lse - merged)
+                lse = merged
+        assert acc is not None
+        if self.sinks is not None:
+            sinks = self.sinks.float().view(1, kv_heads, per_kv, 1).expand(1, -1, -1, q_len)
+            acc = acc * torch.sigmoid(lse - sinks.reshape(1, kv_heads, rows, 1))
+        acc = acc.view(seqs, kv_heads, per_kv, q_len, size).permute(0, 3, 1, 2, 4)
+        return acc.reshape(seqs, q_len, self.num_heads, size)
+
+
+# torch's fused CPU flash-attention op, which also returns the log-sum-exp; private API,
+# so CPU_ATTN falls back to its own matmuls when it is missing.
+_FLASH_FOR_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _use_flash_kernel(
+    impl: CPUAttentionImpl, query: torch.Tensor, key_src: torch.Tensor, value_src: torch.Tensor
+) -> bool:
+    """Whether the fused kernel can run this call: no score modifier, no autograd, on CPU."""
+    if _FLASH_FOR_CPU is None or query.device.type != "cpu":
+        return False
+    if impl.logits_soft_cap is not None or impl.alibi_slopes is not None:
+        return False
+    wants_grad = query.requires_grad or key_src.requires_grad or value_src.requires_grad
+    return not (torch.is_grad_enabled() and wants_grad)
 
 
 class _HeadMajorGather:
