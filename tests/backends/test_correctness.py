@@ -134,12 +134,15 @@ def test_long_prefill_is_chunked_exactly(
     torch.testing.assert_close(out.double(), reference_attention(opts, batch), atol=1e-4, rtol=1e-4)
 
 
-def test_cpu_attn_key_chunks_match(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU_ATTN's online softmax over many small key chunks equals the reference."""
+@pytest.mark.parametrize("soft_cap", [None, 20.0], ids=["flash-kernel", "matmul"])
+def test_cpu_attn_key_chunks_match(monkeypatch: pytest.MonkeyPatch, soft_cap: float | None) -> None:
+    """CPU_ATTN merges many small key chunks exactly, on both of its paths."""
     from attn_di.backends import cpu_attn
 
     monkeypatch.setattr(cpu_attn, "_CHUNK_BYTES", 1)
-    opts = Options(num_heads=8, num_kv_heads=2, head_size=64, sinks=torch.randn(8))
+    opts = Options(
+        num_heads=8, num_kv_heads=2, head_size=64, sinks=torch.randn(8), logits_soft_cap=soft_cap
+    )
     batch = make_batch(opts, [40, 1, 3], [40, 100, 77], 16, torch.float32)
     impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
 
