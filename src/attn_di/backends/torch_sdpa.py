@@ -45,7 +45,8 @@ class TorchSDPABackend(AttentionBackend):
         AttentionType.ENCODER_ONLY,
     )
     supports_backward: ClassVar[bool] = True
-    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    # Only CPU is tested (no GPU in CI); the ops are device-generic.
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
     @staticmethod
     def get_name() -> str:
@@ -105,36 +106,45 @@ class TorchSDPAImpl(AttentionImpl):
         value_src: torch.Tensor,
         group: SeqGroup,
     ) -> torch.Tensor:
-        """``[b, H, Lq, D]`` attention of one group, in the query's dtype."""
-        seqs = int(group.kv_index.shape[0])
-        queries = query[group.query_index].transpose(1, 2)  # [b, H, Lq, D]
+        """``[b, H, Lq, D]`` attention of one group, in the query's dtype.
+
+        GQA is folded into the query axis (the g query heads of a KV head become g * Lq
+        rows, each with its query's mask row), which is exact and lets SDPA take its fused
+        CPU path instead of expanding K/V.
+        """
+        seqs, q_len = (int(n) for n in group.query_index.shape)
+        kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
+        rows = per_kv * q_len
+        queries = query[group.query_index].view(seqs, q_len, kv_heads, per_kv, size)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(seqs, kv_heads, rows, size)
         keys = key_src[group.kv_index].transpose(1, 2)  # [b, H_kv, Lk, D]
         values = value_src[group.kv_index].transpose(1, 2)
-        mask: torch.Tensor = group.allowed[:, None]  # [b, 1, Lq, Lk]
+        k_len = int(keys.shape[2])
         # Padding query rows see no key; SDPA would return NaN there, so let them see all
         # keys (their output is discarded).
-        mask = mask | ~group.query_valid[:, None, :, None]
+        allowed = group.allowed | ~group.query_valid[:, :, None]  # [b, Lq, Lk]
+        mask = allowed[:, None, None].expand(seqs, 1, per_kv, q_len, k_len)
+        mask = mask.reshape(seqs, 1, rows, k_len)
         if self.alibi_slopes is not None or self.sinks is not None:
             additive = torch.zeros(mask.shape, dtype=torch.float32, device=query.device)
             additive = additive.masked_fill(~mask, float("-inf"))
             if self.alibi_slopes is not None:
-                additive = additive + alibi_bias(self.alibi_slopes, group)
+                bias = alibi_bias(self.alibi_slopes, group)  # [b, H, Lq, Lk]
+                additive = additive + bias.reshape(seqs, kv_heads, rows, k_len)
             if self.sinks is not None:
                 # A sink is one more key with zero key and value whose score is its logit:
                 # it joins the softmax denominator and adds nothing to the output.
-                heads, q_len = self.num_heads, int(queries.shape[2])
-                sink_logit = self.sinks.float().view(1, heads, 1, 1)
-                sink_col = sink_logit.expand(seqs, heads, q_len, 1)
-                additive = torch.cat([additive.expand(seqs, heads, q_len, -1), sink_col], -1)
-                zero = keys.new_zeros((seqs, self.num_kv_heads, 1, self.head_size))
+                sink_logit = self.sinks.float().view(1, kv_heads, per_kv, 1, 1)
+                sink_col = sink_logit.expand(seqs, kv_heads, per_kv, q_len, 1)
+                additive = additive.expand(seqs, kv_heads, rows, k_len)
+                additive = torch.cat([additive, sink_col.reshape(seqs, kv_heads, rows, 1)], -1)
+                zero = keys.new_zeros((seqs, kv_heads, 1, size))
                 keys = torch.cat([keys, zero], dim=2)
                 values = torch.cat([values, zero], dim=2)
             mask = additive.to(query.dtype)
-        return F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=self.num_kv_heads != self.num_heads,
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=self.scale
+        )  # [b, H_kv, g * Lq, D]
+        return attended.view(seqs, kv_heads, per_kv, q_len, size).reshape(
+            seqs, self.num_heads, q_len, size
         )
