@@ -24,7 +24,16 @@ if TYPE_CHECKING:
     from attn_di.backend._impl import AttentionImpl
     from attn_di.backend._metadata import AttentionMetadata
 
-__all__ = ["BatchPlan", "SeqGroup", "alibi_bias", "check_inputs", "new_output", "write_kv_cache"]
+__all__ = [
+    "SCORE_BUDGET",
+    "BatchPlan",
+    "SeqGroup",
+    "alibi_bias",
+    "check_inputs",
+    "new_output",
+    "uses_cache",
+    "write_kv_cache",
+]
 
 # Largest number of attention scores (group rows x keys x heads) materialised at once.
 SCORE_BUDGET = 1 << 24
