@@ -1,0 +1,304 @@
+"""Shared machinery of attn_di's torch backends: input checks, cache writes, batch layout.
+
+Every backend here follows the same plan for a batch of B sequences: check the inputs,
+write the new keys/values into the paged cache at ``slot_mapping``, then attend over
+groups of sequences padded to a common query length Lq and key length Lk. This module
+builds the padded index tensors and masks; the backends differ only in the attention math.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from attn_di.backend._backend import dtype_name
+from attn_di.backend._types import AttentionType
+from attn_di.exceptions import InvalidInputError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from attn_di.backend._impl import AttentionImpl
+    from attn_di.backend._metadata import AttentionMetadata
+
+__all__ = [
+    "SCORE_BUDGET",
+    "BatchPlan",
+    "SeqGroup",
+    "alibi_bias",
+    "check_inputs",
+    "new_output",
+    "uses_cache",
+    "write_kv_cache",
+]
+
+# Largest number of attention scores (group rows x keys x heads) materialised at once.
+SCORE_BUDGET = 1 << 24
+
+
+def uses_cache(impl: AttentionImpl) -> bool:
+    """Whether the impl's attention type reads and writes the paged KV cache."""
+    return impl.attn_type == AttentionType.DECODER
+
+
+def check_inputs(
+    impl: AttentionImpl,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    output: torch.Tensor | None,
+) -> None:
+    """Check shapes, dtypes, devices and indices of one ``forward`` call.
+
+    Raises:
+        InvalidInputError: naming the first offending tensor and its shape or dtype.
+    """
+    heads, kv_heads, size = impl.num_heads, impl.num_kv_heads, impl.head_size
+    if query.dim() != 3 or tuple(query.shape[1:]) != (heads, size):
+        raise InvalidInputError(
+            "query",
+            f"shape {tuple(query.shape)} should be [num_tokens, {heads}, {size}] "
+            "(num_heads, head_size)",
+        )
+    if dtype_name(query.dtype) not in {dtype_name(d) for d in impl.backend.supported_dtypes}:
+        raise InvalidInputError(
+            "query",
+            f"dtype {query.dtype} is not supported by {impl.backend.get_name()}",
+            hint="use one of " + ", ".join(dtype_name(d) for d in impl.backend.supported_dtypes),
+        )
+    num_tokens = int(query.shape[0])
+    for argument, tensor in (("key", key), ("value", value)):
+        if tuple(tensor.shape) != (num_tokens, kv_heads, size):
+            raise InvalidInputError(
+                argument,
+                f"shape {tuple(tensor.shape)} should be [{num_tokens}, {kv_heads}, {size}] "
+                "(num_tokens, num_kv_heads, head_size)",
+            )
+    for argument, tensor in (("key", key), ("value", value), ("kv_cache", kv_cache)):
+        if tensor.dtype != query.dtype and (argument != "kv_cache" or uses_cache(impl)):
+            raise InvalidInputError(
+                argument, f"dtype {tensor.dtype} differs from query's dtype {query.dtype}"
+            )
+        if tensor.device != query.device and (argument != "kv_cache" or uses_cache(impl)):
+            raise InvalidInputError(
+                argument, f"is on {tensor.device} but query is on {query.device}"
+            )
+    if output is not None and (
+        tuple(output.shape) != (num_tokens, heads * size) or output.dtype != query.dtype
+    ):
+        raise InvalidInputError(
+            "output",
+            f"shape {tuple(output.shape)} dtype {output.dtype} should be "
+            f"[{num_tokens}, {heads * size}] {query.dtype}",
+        )
+    _check_metadata(impl, kv_cache, metadata, num_tokens)
+
+
+def _check_metadata(
+    impl: AttentionImpl, kv_cache: torch.Tensor, metadata: AttentionMetadata, num_tokens: int
+) -> None:
+    qsl, seq_lens = metadata.query_start_loc, metadata.seq_lens
+    num_seqs = int(seq_lens.shape[0])
+    if qsl.dim() != 1 or int(qsl.shape[0]) != num_seqs + 1:
+        raise InvalidInputError(
+            "query_start_loc", f"shape {tuple(qsl.shape)} should be [{num_seqs + 1}] (B + 1)"
+        )
+    q_lens = qsl[1:].long() - qsl[:-1].long()
+    if int(qsl[0]) != 0 or bool((q_lens < 0).any()):
+        raise InvalidInputError("query_start_loc", f"{qsl.tolist()} must rise from 0")
+    actual = int(qsl[-1])
+    if actual != metadata.num_actual_tokens or actual > num_tokens:
+        raise InvalidInputError(
+            "query_start_loc",
+            f"ends at {actual}, but num_actual_tokens={metadata.num_actual_tokens} and "
+            f"query has {num_tokens} tokens",
+        )
+    if not uses_cache(impl):
+        return
+    if bool((seq_lens.long() < q_lens).any()):
+        raise InvalidInputError(
+            "seq_lens", f"{seq_lens.tolist()} shorter than query lengths {q_lens.tolist()}"
+        )
+    if (
+        kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or tuple(kv_cache.shape[3:])
+        != (
+            impl.num_kv_heads,
+            impl.head_size,
+        )
+    ):
+        raise InvalidInputError(
+            "kv_cache",
+            f"shape {tuple(kv_cache.shape)} should be [2, num_blocks, block_size, "
+            f"{impl.num_kv_heads}, {impl.head_size}]",
+        )
+    if not kv_cache.is_contiguous():
+        raise InvalidInputError("kv_cache", "must be contiguous (writes go through a view)")
+    num_blocks, block_size = int(kv_cache.shape[1]), int(kv_cache.shape[2])
+    slots = metadata.slot_mapping[:actual]
+    if int(metadata.slot_mapping.shape[0]) < actual:
+        raise InvalidInputError(
+            "slot_mapping",
+            f"shape {tuple(metadata.slot_mapping.shape)} has fewer than {actual} entries",
+        )
+    if actual and int(slots.max()) >= num_blocks * block_size:
+        raise InvalidInputError(
+            "slot_mapping",
+            f"slot {int(slots.max())} is outside the cache of shape {tuple(kv_cache.shape)} "
+            f"({num_blocks * block_size} slots)",
+        )
+    table = metadata.block_table
+    needed = (seq_lens.long() + block_size - 1) // block_size
+    if table.dim() != 2 or int(table.shape[0]) != num_seqs:
+        raise InvalidInputError(
+            "block_table", f"shape {tuple(table.shape)} should be [{num_seqs}, max_blocks]"
+        )
+    if num_seqs and int(needed.max()) > int(table.shape[1]):
+        raise InvalidInputError(
+            "block_table",
+            f"shape {tuple(table.shape)} is too short for seq_lens {seq_lens.tolist()} "
+            f"with block_size {block_size} (needs {int(needed.max())} columns)",
+        )
+    if num_seqs and table.shape[1]:
+        used = torch.arange(table.shape[1], device=table.device)[None, :] < needed[:, None]
+        used_blocks = table[used]
+        if used_blocks.numel() and (
+            int(used_blocks.min()) < 0 or int(used_blocks.max()) >= num_blocks
+        ):
+            raise InvalidInputError(
+                "block_table",
+                f"holds block numbers outside [0, {num_blocks}) of kv_cache shape "
+                f"{tuple(kv_cache.shape)}",
+            )
+
+
+def new_output(query: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
+    """The ``[N, H * D]`` result buffer: ``output`` or a new zeroed tensor."""
+    if output is not None:
+        return output
+    return query.new_zeros((query.shape[0], query.shape[1] * query.shape[2]))
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write each token's key/value into its cache slot; negative slots are skipped.
+
+    Args:
+        key: ``[N, H_kv, D]``.
+        value: ``[N, H_kv, D]``.
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, contiguous, written in place.
+        slot_mapping: ``[>= N]`` int64, ``block_number * block_size + offset`` (vLLM layout).
+    """
+    num_tokens = int(key.shape[0])
+    slots = slot_mapping[:num_tokens].long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+    flat[0].index_copy_(0, slots, key)
+    flat[1].index_copy_(0, slots, value)
+
+
+@dataclass
+class SeqGroup:
+    """b sequences (or a query slice of them) padded to Lq queries and Lk keys.
+
+    Attributes:
+        query_index: ``[b, Lq]`` int64 token rows of ``query`` (0 where padding).
+        query_valid: ``[b, Lq]`` bool, real query tokens.
+        query_pos: ``[b, Lq]`` int64 absolute positions of the queries.
+        kv_index: ``[b, Lk]`` int64 rows of the key/value source (cache slots, or tokens).
+        allowed: ``[b, Lq, Lk]`` bool, which key each query may see.
+    """
+
+    query_index: torch.Tensor
+    query_valid: torch.Tensor
+    query_pos: torch.Tensor
+    kv_index: torch.Tensor
+    allowed: torch.Tensor
+
+    def key_pos(self) -> torch.Tensor:
+        """``[Lk]`` int64 absolute key positions."""
+        return torch.arange(self.kv_index.shape[1], device=self.kv_index.device)
+
+
+class BatchPlan:
+    """Splits a batch into :class:`SeqGroup` s whose scores fit :data:`SCORE_BUDGET`.
+
+    Args:
+        impl: the impl (for heads, window and attention type).
+        metadata: the batch.
+        block_size: the cache's block size (ignored without a cache).
+    """
+
+    def __init__(self, impl: AttentionImpl, metadata: AttentionMetadata, block_size: int) -> None:
+        self.impl = impl
+        self.block_size = block_size
+        self.cached = uses_cache(impl)
+        qsl = metadata.query_start_loc.long()
+        self.q_start = qsl[:-1]
+        self.q_lens = qsl[1:] - qsl[:-1]
+        self.seq_lens = metadata.seq_lens.long() if self.cached else self.q_lens
+        self.causal = metadata.causal if self.cached else False
+        self.block_table = metadata.block_table.long()
+        self._q_lens = self.q_lens.tolist()
+        self._seq_lens = self.seq_lens.tolist()
+
+    def groups(self) -> Iterator[SeqGroup]:
+        """Yield groups of consecutive sequences, and query slices of long ones."""
+        start, num_seqs = 0, len(self._q_lens)
+        heads = self.impl.num_heads
+        while start < num_seqs:
+            stop, max_q, max_k = start, 0, 0
+            while stop < num_seqs:
+                new_q = max(max_q, self._q_lens[stop])
+                new_k = max(max_k, self._seq_lens[stop])
+                if stop > start and (stop + 1 - start) * new_q * new_k * heads > SCORE_BUDGET:
+                    break
+                max_q, max_k, stop = new_q, new_k, stop + 1
+            if max_q:
+                q_chunk = max(1, SCORE_BUDGET // max(1, (stop - start) * max_k * heads))
+                for q_from in range(0, max_q, q_chunk):
+                    yield self._group(start, stop, q_from, min(max_q, q_from + q_chunk), max_k)
+            start = stop
+
+    def _group(self, start: int, stop: int, q_from: int, q_to: int, max_k: int) -> SeqGroup:
+        device = self.q_lens.device
+        q_lens, seq_lens = self.q_lens[start:stop], self.seq_lens[start:stop]
+        j = torch.arange(q_from, q_to, device=device)[None, :]
+        query_valid = j < q_lens[:, None]
+        query_index = torch.where(query_valid, self.q_start[start:stop, None] + j, 0)
+        query_pos = (seq_lens - q_lens)[:, None] + j
+        k = torch.arange(max_k, device=device)
+        kv_valid = k[None, :] < seq_lens[:, None]
+        if self.cached:
+            blocks = self.block_table[start:stop, : math.ceil(max_k / self.block_size)]
+            slots = blocks[:, :, None] * self.block_size + torch.arange(
+                self.block_size, device=device
+            )
+            kv_index = slots.reshape(stop - start, -1)[:, :max_k]
+        else:
+            kv_index = self.q_start[start:stop, None] + k[None, :]
+        kv_index = torch.where(kv_valid, kv_index, 0)
+        allowed = kv_valid[:, None, :] & query_valid[:, :, None]
+        delta = query_pos[:, :, None] - k[None, None, :]
+        if self.causal:
+            allowed &= delta >= 0
+        window = self.impl.sliding_window
+        if window is not None:
+            allowed &= (delta < window) if self.causal else (delta.abs() < window)
+        return SeqGroup(query_index, query_valid, query_pos, kv_index, allowed)
+
+
+def alibi_bias(slopes: list[float], group: SeqGroup) -> torch.Tensor:
+    """``[b, H, Lq, Lk]`` float32 ALiBi bias ``m_h * (k - q)`` (Press et al. 2022)."""
+    slope = torch.tensor(slopes, dtype=torch.float32, device=group.kv_index.device)
+    delta = (group.key_pos()[None, None, :] - group.query_pos[:, :, None]).float()
+    return slope[None, :, None, None] * delta[:, None, :, :]

@@ -1,0 +1,343 @@
+"""CPU_ATTN: pure-torch paged attention, the workhorse on CPU.
+
+``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017) over each sequence's keys,
+gathered from the paged cache in cache-sized chunks whose results are merged exactly
+(online softmax / log-sum-exp). Two paths:
+
+* without soft cap or ALiBi, and without autograd, on CPU: torch's fused CPU flash kernel
+  (``aten._scaled_dot_product_flash_attention_for_cpu``) with GQA folded into the query
+  axis; sinks are applied from its log-sum-exp;
+* otherwise: two float32 batched matmuls per chunk with the soft cap, ALiBi bias, mask and
+  sinks applied to the scores.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from attn_di.backend._backend import AttentionBackend
+from attn_di.backend._impl import AttentionImpl
+from attn_di.backend._metadata import AttentionMetadata
+from attn_di.backend._types import AttentionType
+from attn_di.backends._common import (
+    BatchPlan,
+    SeqGroup,
+    alibi_bias,
+    check_inputs,
+    new_output,
+    uses_cache,
+    write_kv_cache,
+)
+
+__all__ = ["CPUAttentionBackend", "CPUAttentionImpl"]
+
+
+class CPUAttentionBackend(AttentionBackend):
+    """Paged attention in plain torch ops: every feature, any head or block size.
+
+    Supports fp32/bf16/fp16 on CPU, sinks, sliding window, soft cap,
+    ALiBi, GQA/MQA, decoder, encoder and encoder-only attention; mixed batches of prefill,
+    chunked prefill and decode. Autograd flows through it (no in-place ops on inputs other
+    than the cache write).
+    """
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+    supported_attn_types: ClassVar[tuple[str, ...]] = (
+        AttentionType.DECODER,
+        AttentionType.ENCODER,
+        AttentionType.ENCODER_ONLY,
+    )
+    supports_backward: ClassVar[bool] = True
+    # Only CPU is tested (no GPU in CI); the ops are device-generic.
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
+
+    @staticmethod
+    def get_name() -> str:
+        """``"CPU_ATTN"``."""
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[CPUAttentionImpl]:
+        """:class:`CPUAttentionImpl`."""
+        return CPUAttentionImpl
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        """True: sinks join the softmax denominator."""
+        return True
+
+
+class CPUAttentionImpl(AttentionImpl):
+    """The CPU_ATTN computation; see :class:`~attn_di.backend.AttentionImpl` for arguments."""
+
+    backend: ClassVar[type[AttentionBackend]] = CPUAttentionBackend
+    supports_alibi: ClassVar[bool] = True
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._workspace = _Workspace()
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write keys/values into ``kv_cache``, then attend; see :meth:`AttentionImpl.forward`."""
+        check_inputs(self, query, key, value, kv_cache, attn_metadata, output)
+        result = new_output(query, output)
+        actual = attn_metadata.num_actual_tokens
+        if uses_cache(self):
+            write_kv_cache(key[:actual], value[:actual], kv_cache, attn_metadata.slot_mapping)
+            flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+            key_src, value_src = flat[0], flat[1]
+            block_size = int(kv_cache.shape[2])
+        else:
+            key_src, value_src, block_size = key, value, 1
+        rows = result.view(-1, self.num_heads, self.head_size)
+        for group in BatchPlan(self, attn_metadata, block_size).groups():
+            attended = self._attend(query, key_src, value_src, group)
+            rows[group.query_index[group.query_valid]] = attended[group.query_valid].to(
+                result.dtype
+            )
+        return result
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key_src: torch.Tensor,
+        value_src: torch.Tensor,
+        group: SeqGroup,
+    ) -> torch.Tensor:
+        """``[b, Lq, H, D]`` float32 attention of one group, over key chunks.
+
+        Keys are visited in chunks of :func:`_chunk_len` tokens with the online-softmax
+        recurrence of Milakov & Gimelshein 2018 ("Online normalizer calculation for
+        softmax"), so gathered keys/values stay cache-sized and buffers are reused.
+        """
+        if _use_flash_kernel(self, query, key_src, value_src):
+            return self._attend_flash(query, key_src, value_src, group)
+        kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
+        seqs, q_len = group.query_index.shape
+        k_len = int(group.kv_index.shape[1])
+        rows, batch = per_kv * q_len, kv_heads * seqs
+        queries = query[group.query_index].float()  # [b, Lq, H, D]
+        queries = queries.view(seqs, q_len, kv_heads, per_kv, size).permute(2, 0, 3, 1, 4)
+        queries = (queries * self.scale).reshape(batch, rows, size)
+        if self.sinks is not None:
+            sinks = self.sinks.float().view(kv_heads, 1, per_kv, 1, 1)
+            peak = sinks.expand(kv_heads, seqs, per_kv, q_len, 1).reshape(batch, rows, 1)
+            denom = torch.ones(batch, rows, 1)
+        else:
+            peak = torch.full((batch, rows, 1), float("-inf"))
+            denom = torch.zeros(batch, rows, 1)
+        acc = torch.zeros(batch, rows, size)
+        bias = None
+        if self.alibi_slopes is not None:
+            bias = alibi_bias(self.alibi_slopes, group).view(seqs, kv_heads, per_kv, q_len, k_len)
+            bias = bias.transpose(0, 1)
+        chunk = min(_chunk_len(seqs, kv_heads, size, rows), k_len)
+        gather = _HeadMajorGather(key_src, value_src, seqs, chunk, self._workspace)
+        for start in range(0, k_len, chunk):
+            stop = min(k_len, start + chunk)
+            width = stop - start
+            k_mat, v_mat = gather(group.kv_index[:, start:stop])  # [H_kv * b, width, D] fp32
+            scores = torch.bmm(queries, k_mat.transpose(1, 2))  # [H_kv * b, g * Lq, width]
+            scores5 = scores.view(kv_heads, seqs, per_kv, q_len, width)
+            if self.logits_soft_cap is not None:
+                cap = self.logits_soft_cap
+                scores5 = torch.tanh(scores5 / cap) * cap
+            if bias is not None:
+                scores5 = scores5 + bias[..., start:stop]
+            allowed = group.allowed[None, :, None, :, start:stop]
+            scores5 = scores5.masked_fill(~allowed, float("-inf"))
+            scores = scores5.reshape(batch, rows, width)
+            new_peak = torch.maximum(peak, scores.amax(dim=-1, keepdim=True))
+            safe_peak = torch.where(torch.isfinite(new_peak), new_peak, 0.0)
+            weights = torch.exp(scores - safe_peak)
+            rescale = torch.exp(peak - safe_peak)
+            denom = denom * rescale + weights.sum(dim=-1, keepdim=True)
+            acc = acc * rescale + torch.bmm(weights, v_mat)
+            peak = new_peak
+        attended = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)
+        attended = attended.view(kv_heads, seqs, per_kv, q_len, size).permute(1, 3, 0, 2, 4)
+        return attended.reshape(seqs, q_len, self.num_heads, size)
+
+    def _attend_flash(
+        self,
+        query: torch.Tensor,
+        key_src: torch.Tensor,
+        value_src: torch.Tensor,
+        group: SeqGroup,
+    ) -> torch.Tensor:
+        """``[b, Lq, H, D]`` float32 attention of one group through torch's CPU flash kernel.
+
+        GQA is folded into the query axis: the g query heads of a KV head become g * Lq
+        query rows against that KV head, each row carrying its query's mask row. Keys are
+        gathered token-major in cache-sized chunks and passed as strided views; the chunks'
+        results are merged exactly through their log-sum-exps
+        (``out = sum_c out_c * exp(lse_c - lse)``, ``lse = logsumexp_c lse_c``), and sinks
+        scale the result by ``sigmoid(lse - sink)``.
+        """
+        kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
+        seqs, q_len = (int(n) for n in group.query_index.shape)
+        k_len, rows = int(group.kv_index.shape[1]), per_kv * q_len
+        dtype = query.dtype
+        queries = query[group.query_index].view(seqs, q_len, kv_heads, per_kv, size)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(seqs, kv_heads, rows, size)
+        chunk = min(k_len, max(16, _CHUNK_BYTES // (16 * seqs * kv_heads * size)))
+        count = seqs * chunk * kv_heads * size
+        key_buf = self._workspace.get("flash_keys", count, dtype, query.device)
+        value_buf = self._workspace.get("flash_values", count, dtype, query.device)
+        blocked = torch.finfo(dtype).min
+        acc: torch.Tensor | None = None
+        lse = torch.empty(0)
+        for start in range(0, k_len, chunk):
+            stop = min(k_len, start + chunk)
+            width = stop - start
+            index = group.kv_index[:, start:stop].reshape(-1)
+            keys = key_buf[: seqs * width * kv_heads * size].view(seqs * width, kv_heads, size)
+            values = value_buf[: keys.numel()].view_as(keys)
+            torch.index_select(key_src, 0, index, out=keys)
+            torch.index_select(value_src, 0, index, out=values)
+            allowed = group.allowed[:, None, None, :, start:stop]
+            mask = torch.where(allowed, 0.0, blocked).to(dtype)
+            mask = mask.expand(seqs, 1, per_kv, q_len, width).reshape(seqs, 1, rows, width)
+            out, chunk_lse = _FLASH_FOR_CPU(
+                queries,
+                keys.view(seqs, width, kv_heads, size).transpose(1, 2),
+                values.view(seqs, width, kv_heads, size).transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scale,
+            )
+            chunk_lse = chunk_lse.float().unsqueeze(-1)  # [b, H_kv, g * Lq, 1]
+            if acc is None:
+                acc, lse = out.float(), chunk_lse
+            else:
+                merged = torch.logaddexp(lse, chunk_lse)
+                acc = acc * torch.exp(lse - merged) + out.float() * torch.exp(chunk_lse - merged)
+                lse = merged
+        assert acc is not None
+        if self.sinks is not None:
+            sinks = self.sinks.float().view(1, kv_heads, per_kv, 1).expand(1, -1, -1, q_len)
+            acc = acc * torch.sigmoid(lse - sinks.reshape(1, kv_heads, rows, 1))
+        acc = acc.view(seqs, kv_heads, per_kv, q_len, size).permute(0, 3, 1, 2, 4)
+        return acc.reshape(seqs, q_len, self.num_heads, size)
+
+
+# torch's fused CPU flash-attention op, which also returns the log-sum-exp; private API,
+# so CPU_ATTN falls back to its own matmuls when it is missing.
+_FLASH_FOR_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _use_flash_kernel(
+    impl: CPUAttentionImpl, query: torch.Tensor, key_src: torch.Tensor, value_src: torch.Tensor
+) -> bool:
+    """Whether the fused kernel can run this call: no score modifier, no autograd, on CPU."""
+    if _FLASH_FOR_CPU is None or query.device.type != "cpu":
+        return False
+    if impl.logits_soft_cap is not None or impl.alibi_slopes is not None:
+        return False
+    wants_grad = query.requires_grad or key_src.requires_grad or value_src.requires_grad
+    return not (torch.is_grad_enabled() and wants_grad)
+
+
+class _HeadMajorGather:
+    """Gathers key/value chunks from a token-major source into reused head-major buffers.
+
+    The source is ``[S, H_kv, D]`` (cache slots or tokens); a chunk of ``b`` sequences by
+    ``w`` keys comes out as float32 ``[H_kv * b, w, D]``, ready for ``torch.bmm``. float32
+    sources are gathered row by row (``D`` contiguous values) straight into head-major
+    order; other dtypes are gathered token by token, then transposed and up-cast in one copy.
+    Buffers are allocated once per group, so no chunk pays for fresh pages.
+    """
+
+    def __init__(
+        self,
+        key_src: torch.Tensor,
+        value_src: torch.Tensor,
+        seqs: int,
+        chunk: int,
+        workspace: _Workspace,
+    ) -> None:
+        self.key_src, self.value_src = key_src, value_src
+        self.seqs = seqs
+        self.kv_heads, self.size = int(key_src.shape[1]), int(key_src.shape[2])
+        self.direct = key_src.dtype == torch.float32
+        count = self.kv_heads * seqs * chunk * self.size
+        device = key_src.device
+        self.keys = workspace.get("keys", count, torch.float32, device).view(-1, self.size)
+        self.values = workspace.get("values", count, torch.float32, device).view(-1, self.size)
+        if not self.direct:
+            staged = workspace.get("staged", count, key_src.dtype, device)
+            self.staged = staged.view(seqs * chunk, self.kv_heads, self.size)
+        self.head_offsets = torch.arange(self.kv_heads, device=key_src.device)[:, None]
+
+    def __call__(self, kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``kv_index`` (``[b, w]`` source rows), float32 head-major."""
+        width = int(kv_index.shape[1])
+        count = self.kv_heads * self.seqs * width
+        batch = self.kv_heads * self.seqs
+        keys, values = self.keys[:count], self.values[:count]
+        if self.key_src.requires_grad or self.value_src.requires_grad:
+            # out= ops do not record autograd: gather out of place when gradients flow.
+            rows = (kv_index.reshape(1, -1) * self.kv_heads + self.head_offsets).reshape(-1)
+            keys = self.key_src.reshape(-1, self.size)[rows].float()
+            values = self.value_src.reshape(-1, self.size)[rows].float()
+        elif self.direct:
+            rows = (kv_index.reshape(1, -1) * self.kv_heads + self.head_offsets).reshape(-1)
+            torch.index_select(self.key_src.reshape(-1, self.size), 0, rows, out=keys)
+            torch.index_select(self.value_src.reshape(-1, self.size), 0, rows, out=values)
+        else:
+            index = kv_index.reshape(-1)
+            staged = self.staged[: self.seqs * width]
+            shape = (self.seqs, width, self.kv_heads, self.size)
+            for src, dst in ((self.key_src, keys), (self.value_src, values)):
+                torch.index_select(src, 0, index, out=staged)
+                dst.view(self.kv_heads, self.seqs, width, self.size).copy_(
+                    staged.view(shape).permute(2, 0, 1, 3)
+                )
+        return keys.view(batch, width, self.size), values.view(batch, width, self.size)
+
+
+class _Workspace:
+    """Scratch buffers kept between calls, so that steady-state decode allocates no pages.
+
+    Each named buffer grows to the largest size asked for and is then reused; an impl is
+    therefore not safe to call from two threads at once (neither are vLLM's).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat tensor of ``numel`` elements (contents undefined)."""
+        buffer = self._buffers.get(name)
+        if (
+            buffer is None
+            or buffer.numel() < numel
+            or buffer.dtype != dtype
+            or buffer.device != device
+        ):
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = buffer
+        return buffer[:numel]
+
+
+# Bytes of float32 keys gathered per chunk: within a server CPU's L3 cache, and few chunks
+# (few ops) per call, which matters most when cores are shared.
+_CHUNK_BYTES = 16 << 20
+
+
+def _chunk_len(seqs: int, kv_heads: int, size: int, rows: int) -> int:
+    """Keys per chunk so that one chunk of keys (and of scores) fits :data:`_CHUNK_BYTES`."""
+    per_key = 4 * seqs * kv_heads * max(size, rows)
+    return max(16, _CHUNK_BYTES // per_key)

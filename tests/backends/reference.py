@@ -1,0 +1,157 @@
+"""A plain float64 attention reference and random paged batches, written apart from the backends.
+
+The reference is ``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017), one
+sequence and one head at a time, with the options of ``AttentionImpl`` applied exactly as
+documented there: soft cap ``c * tanh(s / c)``, ALiBi ``m_h * (k - q)``, sliding window
+``q - w < k <= q`` (``|q - k| < w`` when bidirectional), sinks in the denominator only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from attn_di.backend import AttentionMetadata, AttentionMetadataBuilder
+
+
+@dataclass
+class Options:
+    """The layer options of one case."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    alibi_slopes: list[float] | None = None
+    sinks: torch.Tensor | None = None
+    encoder_only: bool = False
+
+    @property
+    def scale(self) -> float:
+        """The usual ``head_size ** -0.5``."""
+        return self.head_size**-0.5
+
+    def impl_kwargs(self) -> dict[str, object]:
+        """Keyword arguments for an impl constructor."""
+        return {
+            "num_heads": self.num_heads,
+            "head_size": self.head_size,
+            "scale": self.scale,
+            "num_kv_heads": self.num_kv_heads,
+            "alibi_slopes": self.alibi_slopes,
+            "sliding_window": self.sliding_window,
+            "logits_soft_cap": self.logits_soft_cap,
+            "attn_type": "encoder_only" if self.encoder_only else "decoder",
+            "sinks": self.sinks,
+        }
+
+
+@dataclass
+class Batch:
+    """A random batch: inputs, a pre-filled paged cache and each sequence's full K/V."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+    metadata: AttentionMetadata
+    full_keys: list[torch.Tensor] = field(default_factory=list)
+    full_values: list[torch.Tensor] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+
+
+def make_batch(
+    opts: Options,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> Batch:
+    """A batch whose cached prefixes are already in a shuffled paged cache."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, size = opts.num_kv_heads, opts.head_size
+    if opts.encoder_only:
+        seq_lens = list(query_lens)
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen)
+    width = max([*blocks_per_seq, 1])
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    used = 0
+    for i, count in enumerate(blocks_per_seq):
+        table[i, :count] = order[used : used + count].int()
+        used += count
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, size, generator=gen).to(dtype)
+    builder = AttentionMetadataBuilder(block_size)
+    metadata = builder.build(
+        query_lens, seq_lens, None if opts.encoder_only else table, causal=not opts.encoder_only
+    )
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, opts.num_heads, size, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, kv_heads, size, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, kv_heads, size, generator=gen).to(dtype)
+    batch = Batch(query, key, value, kv_cache, metadata, query_lens=list(query_lens))
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        new_k, new_v = key[start : start + q_len], value[start : start + q_len]
+        start += q_len
+        if opts.encoder_only:
+            batch.full_keys.append(new_k.double())
+            batch.full_values.append(new_v.double())
+            continue
+        positions = torch.arange(s_len - q_len)
+        slots = table[i, positions // block_size].long() * block_size + positions % block_size
+        flat = kv_cache.view(2, -1, kv_heads, size)
+        batch.full_keys.append(torch.cat([flat[0][slots], new_k]).double())
+        batch.full_values.append(torch.cat([flat[1][slots], new_v]).double())
+    if opts.encoder_only:
+        batch.kv_cache = torch.empty(0, dtype=dtype)
+    return batch
+
+
+def reference_attention(opts: Options, batch: Batch) -> torch.Tensor:
+    """``[N, H * D]`` float64 attention of the batch, one sequence and head at a time."""
+    outputs = []
+    start = 0
+    per_kv = opts.num_heads // opts.num_kv_heads
+    for keys, values, q_len in zip(
+        batch.full_keys, batch.full_values, batch.query_lens, strict=True
+    ):
+        query = batch.query[start : start + q_len].double()
+        start += q_len
+        s_len = keys.shape[0]
+        q_pos = torch.arange(s_len - q_len, s_len, dtype=torch.float64)[:, None]
+        k_pos = torch.arange(s_len, dtype=torch.float64)[None, :]
+        delta = q_pos - k_pos
+        visible = torch.ones(q_len, s_len, dtype=torch.bool)
+        if not opts.encoder_only:
+            visible &= delta >= 0
+        if opts.sliding_window is not None:
+            window = opts.sliding_window
+            visible &= (delta.abs() < window) if opts.encoder_only else (delta < window)
+        heads = []
+        for h in range(opts.num_heads):
+            kv = h // per_kv
+            scores = query[:, h] @ keys[:, kv].T * opts.scale
+            if opts.logits_soft_cap is not None:
+                scores = opts.logits_soft_cap * torch.tanh(scores / opts.logits_soft_cap)
+            if opts.alibi_slopes is not None:
+                scores = scores + opts.alibi_slopes[h] * (k_pos - q_pos)
+            scores = scores.masked_fill(~visible, -math.inf)
+            peak = scores.max(dim=-1, keepdim=True).values
+            sink = None
+            if opts.sinks is not None:
+                sink = float(opts.sinks[h])
+                peak = peak.clamp_min(sink)
+            weights = torch.exp(scores - peak)
+            denom = weights.sum(dim=-1, keepdim=True)
+            if sink is not None:
+                denom = denom + torch.exp(sink - peak)
+            heads.append((weights / denom) @ values[:, kv])
+        outputs.append(torch.stack(heads, dim=1).reshape(q_len, -1))
+    return torch.cat(outputs)

@@ -1,0 +1,151 @@
+"""Every backend that declares a configuration matches the float64 reference on it.
+
+Tolerances (absolute and relative, on outputs of order 1, inputs rounded to the dtype
+before the reference sees them): float32 1e-4; bfloat16 3e-2; float16 5e-3. The
+low-precision budgets cover rounding of the output and of the probabilities fed to the
+value product (2**-8 for bf16, 2**-11 for fp16) accumulated over a few hundred keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attn_di.backend import AttentionBackend
+from attn_di.exceptions import UnsupportedFeatureError
+from tests.backends.reference import Options, make_batch, reference_attention
+
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float32: 1e-4,
+    torch.bfloat16: 3e-2,
+    torch.float16: 5e-3,
+}
+
+
+@dataclass
+class Case:
+    """One generated configuration and batch shape."""
+
+    opts: Options
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_size: int
+    seed: int
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    """Mixed batches of prefill, chunked prefill and decode with random layer options."""
+    ratio = draw(st.sampled_from([1, 2, 4, 8]))
+    num_kv_heads = draw(st.integers(1, 2))
+    num_heads = ratio * num_kv_heads
+    head_size = draw(st.sampled_from([64, 80, 128, 256]))
+    encoder_only = draw(st.booleans())
+    query_lens, seq_lens = [], []
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["prefill", "chunked", "decode"]))
+        seq_len = draw(st.integers(1, 40))
+        if encoder_only or kind == "prefill":
+            query_len = seq_len
+        elif kind == "decode":
+            query_len = 1
+        else:
+            query_len = draw(st.integers(1, seq_len))
+        query_lens.append(query_len)
+        seq_lens.append(seq_len)
+    opts = Options(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        sliding_window=draw(st.none() | st.integers(1, 24)),
+        logits_soft_cap=draw(st.none() | st.floats(2.0, 30.0)),
+        alibi_slopes=draw(st.none() | st.just([2.0 ** -(h + 1) for h in range(num_heads)])),
+        sinks=torch.randn(num_heads) if draw(st.booleans()) else None,
+        encoder_only=encoder_only,
+    )
+    return Case(
+        opts,
+        query_lens,
+        seq_lens,
+        block_size=draw(st.sampled_from([1, 16, 32])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=cases())
+def test_backend_matches_reference(
+    backend_cls: type[AttentionBackend], dtype: torch.dtype, case: Case
+) -> None:
+    """Output matches softmax(QK^T*scale + mask)V in float64 within the dtype's tolerance."""
+    try:
+        impl = backend_cls.get_impl_cls()(**case.opts.impl_kwargs())
+    except UnsupportedFeatureError:
+        assert case.opts.logits_soft_cap is not None
+        return
+    batch = make_batch(
+        case.opts, case.query_lens, case.seq_lens, case.block_size, dtype, seed=case.seed
+    )
+    expected = reference_attention(case.opts, batch)
+
+    out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+    assert out.shape == (sum(case.query_lens), case.opts.num_heads * case.opts.head_size)
+    assert out.dtype == dtype
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_output_buffer_is_filled_and_returned(backend_cls: type[AttentionBackend]) -> None:
+    """A given output buffer receives the result and is returned itself."""
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=64)
+    batch = make_batch(opts, [5, 1], [5, 9], 16, torch.float32)
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    buffer = torch.full((6, 4 * 64), float("nan"))
+
+    out = impl.forward(
+        None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, output=buffer
+    )
+
+    assert out is buffer
+    torch.testing.assert_close(out.double(), reference_attention(opts, batch), atol=1e-4, rtol=1e-4)
+
+
+def test_long_prefill_is_chunked_exactly(
+    backend_cls: type[AttentionBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A score budget smaller than one sequence still gives the exact result (query chunks)."""
+    from attn_di.backends import _common
+
+    monkeypatch.setattr(_common, "SCORE_BUDGET", 4 * 40 * 16)
+    opts = Options(num_heads=4, num_kv_heads=1, head_size=64, sliding_window=20)
+    batch = make_batch(opts, [40, 1, 30], [40, 60, 50], 16, torch.float32)
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+
+    out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+    torch.testing.assert_close(out.double(), reference_attention(opts, batch), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("soft_cap", [None, 20.0], ids=["flash-kernel", "matmul"])
+def test_cpu_attn_key_chunks_match(monkeypatch: pytest.MonkeyPatch, soft_cap: float | None) -> None:
+    """CPU_ATTN merges many small key chunks exactly, on both of its paths."""
+    from attn_di.backends import cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_CHUNK_BYTES", 1)
+    opts = Options(
+        num_heads=8, num_kv_heads=2, head_size=64, sinks=torch.randn(8), logits_soft_cap=soft_cap
+    )
+    batch = make_batch(opts, [40, 1, 3], [40, 100, 77], 16, torch.float32)
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+
+    out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+    torch.testing.assert_close(out.double(), reference_attention(opts, batch), atol=1e-4, rtol=1e-4)

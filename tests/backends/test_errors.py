@@ -1,0 +1,160 @@
+"""Bad inputs are refused with an InvalidInputError naming the tensor and its shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_di.backend import AttentionBackend, AttentionMetadataBuilder
+from attn_di.backends.cpu_attn import CPUAttentionImpl
+from attn_di.exceptions import InvalidInputError
+from tests.backends.reference import Batch, Options, make_batch
+
+
+@pytest.fixture(name="opts")
+def _opts() -> Options:
+    """Four query heads over two KV heads of size 64."""
+    return Options(num_heads=4, num_kv_heads=2, head_size=64)
+
+
+@pytest.fixture(name="batch")
+def _batch(opts: Options) -> Batch:
+    """A prefill and a decode sequence in a 16-token-block cache."""
+    return make_batch(opts, [3, 1], [3, 18], 16, torch.float32)
+
+
+def _forward(backend_cls: type[AttentionBackend], opts: Options, batch: Batch) -> torch.Tensor:
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    return impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+
+def test_mismatched_key_heads(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """A key with the wrong number of KV heads is named with its shape."""
+    batch.key = torch.randn(4, 4, 64)
+
+    with pytest.raises(InvalidInputError, match=r"key: shape \(4, 4, 64\) should be \[4, 2, 64\]"):
+        _forward(backend_cls, opts, batch)
+
+
+def test_mismatched_query_heads(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """A query with the wrong number of heads is named with its shape."""
+    batch.query = torch.randn(4, 8, 64)
+
+    with pytest.raises(InvalidInputError, match=r"query: shape \(4, 8, 64\)"):
+        _forward(backend_cls, opts, batch)
+
+
+def test_wrong_dtype(backend_cls: type[AttentionBackend], opts: Options, batch: Batch) -> None:
+    """A value whose dtype differs from the query's is refused."""
+    batch.value = batch.value.half()
+
+    with pytest.raises(InvalidInputError, match=r"value: dtype torch.float16 differs"):
+        _forward(backend_cls, opts, batch)
+
+
+def test_unsupported_dtype(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """float64 inputs are refused with the supported dtypes in the hint."""
+    batch.query, batch.key, batch.value = (
+        t.double() for t in (batch.query, batch.key, batch.value)
+    )
+
+    with pytest.raises(InvalidInputError, match=r"query: dtype torch.float64") as info:
+        _forward(backend_cls, opts, batch)
+    assert info.value.hint == "use one of float32, bfloat16, float16"
+
+
+def test_slot_outside_cache(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """A slot past the end of the cache is named with the cache's shape."""
+    slots = int(batch.kv_cache.shape[1]) * 16
+    batch.metadata.slot_mapping[0] = slots
+
+    with pytest.raises(
+        InvalidInputError, match=rf"slot_mapping: slot {slots} is outside the cache of shape"
+    ):
+        _forward(backend_cls, opts, batch)
+
+
+def test_block_table_too_short(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """A block table with fewer columns than seq_lens need is named with its shape."""
+    batch.metadata.block_table = batch.metadata.block_table[:, :1]
+
+    with pytest.raises(InvalidInputError, match=r"block_table: shape \(2, 1\) is too short"):
+        _forward(backend_cls, opts, batch)
+
+
+def test_block_number_outside_cache(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """A used block number beyond the cache is refused."""
+    batch.metadata.block_table[1, 1] = 10_000
+
+    with pytest.raises(InvalidInputError, match=r"block_table: holds block numbers outside"):
+        _forward(backend_cls, opts, batch)
+
+
+def test_kv_cache_shape(backend_cls: type[AttentionBackend], opts: Options, batch: Batch) -> None:
+    """A cache whose head axes do not match the layer is named with its shape."""
+    batch.kv_cache = torch.zeros(2, 4, 16, 4, 64)
+
+    with pytest.raises(InvalidInputError, match=r"kv_cache: shape \(2, 4, 16, 4, 64\)"):
+        _forward(backend_cls, opts, batch)
+
+
+def test_output_buffer_shape(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """An output buffer of the wrong shape is refused."""
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+
+    with pytest.raises(InvalidInputError, match=r"output: shape \(4, 64\)"):
+        impl.forward(
+            None,
+            batch.query,
+            batch.key,
+            batch.value,
+            batch.kv_cache,
+            batch.metadata,
+            output=torch.empty(4, 64),
+        )
+
+
+def test_num_kv_heads_must_divide_num_heads(backend_cls: type[AttentionBackend]) -> None:
+    """num_kv_heads that does not divide num_heads is refused at construction."""
+    with pytest.raises(InvalidInputError, match=r"num_kv_heads: 3 does not divide num_heads 4"):
+        backend_cls.get_impl_cls()(num_heads=4, head_size=64, scale=0.125, num_kv_heads=3)
+
+
+def test_sinks_length(backend_cls: type[AttentionBackend]) -> None:
+    """Sinks must have one logit per query head."""
+    with pytest.raises(InvalidInputError, match=r"sinks: shape \(3,\) should be \[num_heads\]"):
+        backend_cls.get_impl_cls()(num_heads=4, head_size=64, scale=0.125, sinks=torch.zeros(3))
+
+
+def test_builder_refuses_short_block_table() -> None:
+    """The metadata builder names a block table too short for seq_lens."""
+    builder = AttentionMetadataBuilder(block_size=16)
+
+    with pytest.raises(InvalidInputError, match=r"block_table: shape \(1, 1\) has too few columns"):
+        builder.build([1], [17], [[0]])
+
+
+def test_builder_refuses_query_longer_than_sequence() -> None:
+    """A query longer than its sequence is refused."""
+    with pytest.raises(InvalidInputError, match=r"query_lens: each must be in \[0, seq_len\]"):
+        AttentionMetadataBuilder(block_size=16).build([5], [3], [[0]])
+
+
+def test_invalid_input_error_is_a_value_error() -> None:
+    """Callers catching ValueError still catch bad inputs."""
+    with pytest.raises(ValueError, match="num_heads"):
+        CPUAttentionImpl(num_heads=0, head_size=64, scale=1.0)
