@@ -8,4 +8,5 @@ echo "== ruff check";        $PY -m ruff check src tests examples benchmarks
 echo "== ruff format";       $PY -m ruff format --check src tests examples benchmarks
 echo "== mypy --strict src"; $PY -m mypy --strict src
 echo "== mypy examples";     $PY -m mypy --strict examples/engine
+                             $PY -m mypy --strict examples/tiny_llm
 echo "== pytest";            $PY -m pytest -q tests "$@"

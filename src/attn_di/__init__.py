@@ -12,35 +12,42 @@ points (:func:`load_plugins` does). A process started with ``ATTN_DI_REGISTRATIO
 
 __all__ = [
     "AttentionBackendEnum",
+    "AttentionSelectorConfig",
     "AttnDIError",
     "BackendContainer",
     "BackendImportError",
     "BackendNotRegisteredError",
     "BackendOverride",
     "BackendProvider",
+    "BackendRejectedError",
     "InvalidBackendNameError",
     "InvalidBackendTypeError",
     "InvalidClassPathError",
+    "NoValidBackendError",
     "OverrideBackendFixture",
     "PluginRecord",
     "PluginReport",
     "PropagatedRegistrations",
     "RegistrationsEnvError",
+    "Selection",
     "UnexportableBackendError",
     "UnknownBackendError",
+    "force_backend",
     "get_container",
     "load_plugins",
+    "parse_backend_name",
     "plugin_report",
     "propagate_registrations",
     "ray_runtime_env",
     "register_backend",
+    "select_backend",
     "use_container",
 ]
 
 from attn_di._container import BackendContainer
 from attn_di._default import get_container, register_backend, use_container
 from attn_di._deprecated import DeprecatedBackendAlias
-from attn_di._enum import AttentionBackendEnum
+from attn_di._enum import AttentionBackendEnum, parse_backend_name
 from attn_di._overrides import BackendOverride
 from attn_di._plugins import PluginRecord, PluginReport, load_plugins, plugin_report
 from attn_di._propagation import (
@@ -50,14 +57,17 @@ from attn_di._propagation import (
     ray_runtime_env,
 )
 from attn_di._provider import BackendProvider
+from attn_di._selection import AttentionSelectorConfig, Selection, force_backend, select_backend
 from attn_di._testing import OverrideBackendFixture
 from attn_di.exceptions import (
     AttnDIError,
     BackendImportError,
     BackendNotRegisteredError,
+    BackendRejectedError,
     InvalidBackendNameError,
     InvalidBackendTypeError,
     InvalidClassPathError,
+    NoValidBackendError,
     RegistrationsEnvError,
     UnexportableBackendError,
     UnknownBackendError,
@@ -68,6 +78,7 @@ _Backend = DeprecatedBackendAlias
 
 for _exported in (
     AttentionBackendEnum,
+    AttentionSelectorConfig,
     BackendContainer,
     BackendOverride,
     BackendProvider,
@@ -75,6 +86,7 @@ for _exported in (
     PluginRecord,
     PluginReport,
     PropagatedRegistrations,
+    Selection,
 ):
     _exported.__module__ = "attn_di"
 del _exported

@@ -1,16 +1,17 @@
-"""``BackendContainer``: a dependency-injector container with one lazy provider per member.
+"""``BackendContainer``: a dependency-injector container with one lazy provider per member,
+plus the selection providers (``attention``, ``candidates``, ``selection``, ``selected``).
 
-Also the process-wide default container (:func:`get_container`, :func:`use_container`) and
-:func:`register_backend`, which act on it.
+The process-wide default container lives in :mod:`attn_di._default`.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
-from dependency_injector import containers
+from dependency_injector import containers, providers
 
 from attn_di._enum import (
     AttentionBackendEnum,
@@ -22,6 +23,7 @@ from attn_di._enum import (
 from attn_di._overrides import BackendOverride, ContainerOverride, override_target
 from attn_di._paths import check_class_path, resolves_to
 from attn_di._provider import LOCAL_LAYERS, STATE_LOCK, BackendProvider, Layer, Target
+from attn_di._selection import default_candidates, select_from_settings
 from attn_di.exceptions import (
     InvalidBackendNameError,
     InvalidBackendTypeError,
@@ -37,6 +39,7 @@ BackendKey = AttentionBackendEnum | str
 _C = TypeVar("_C")
 _MISSING: Any = object()
 _live_containers: weakref.WeakSet[_ContainerAPI] = weakref.WeakSet()
+_serials = itertools.count()
 
 
 class _ContainerAPI:
@@ -48,6 +51,8 @@ class _ContainerAPI:
     _by_key: dict[object, BackendProvider]
     _resolved: dict[object, type[Any]]
     _warn_unresolved: bool
+    _serial: int
+    candidates: Any
 
     # -- resolving --------------------------------------------------------------------
     def backend(self, member: BackendKey) -> type[Any]:
@@ -99,7 +104,8 @@ class _ContainerAPI:
 
     def source(self, member: BackendKey) -> str:
         """Where ``member``'s class comes from: "local override", "override", "registered",
-        "default", "di override" (dependency-injector's own), or "unset" (CUSTOM)."""
+        "plugin" (registered by an ``attn_di.plugins`` entry point), "default", "di override"
+        (dependency-injector's own), or "unset" (CUSTOM)."""
         return self.provider(member).source()
 
     # -- registrations ----------------------------------------------------------------
@@ -298,6 +304,7 @@ class _BackendContainerInstance(_ContainerAPI, containers.DynamicContainer):  # 
     """The type of ``BackendContainer()`` instances (dependency-injector makes a copy)."""
 
     def __init__(self) -> None:
+        self._serial = next(_serials)
         self._by_key = {}
         self._resolved = {}
         self._warn_unresolved = False
@@ -373,6 +380,16 @@ class BackendContainer(_DeclarativeBase, metaclass=_BackendContainerMeta):
     ROCM_AITER_UNIFIED_ATTN = BackendProvider(AttentionBackendEnum.ROCM_AITER_UNIFIED_ATTN)
     CPU_ATTN = BackendProvider(AttentionBackendEnum.CPU_ATTN)
     CUSTOM = BackendProvider(AttentionBackendEnum.CUSTOM)
+
+    __self__ = providers.Self()
+    attention = providers.Configuration()
+    """Selection inputs: the AttentionSelectorConfig fields, plus ``device`` and ``backend``."""
+    candidates = providers.Callable(default_candidates)
+    """The candidate policy ``(device, config) -> [members]``; override to inject your own."""
+    selection = providers.Callable(select_from_settings, __self__, attention)
+    """The :class:`Selection` for the ``attention`` settings."""
+    selected = selection.provided.backend_cls
+    """The selected backend class: ``Provide[BackendContainer.selected]``."""
 
 
 _BUILTIN_NAMES = frozenset(AttentionBackendEnum.__members__)

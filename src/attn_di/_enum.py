@@ -30,6 +30,7 @@ __all__ = [
     "lookup_member",
     "on_new_member",
     "on_removed_member",
+    "parse_backend_name",
     "remove_runtime_member",
     "runtime_members",
 ]
@@ -198,6 +199,33 @@ def lookup_member(key: object) -> AttentionBackendEnum:
     if isinstance(key, AttentionBackendEnum):
         return key
     return AttentionBackendEnum[key]  # type: ignore[misc]
+
+
+def parse_backend_name(name: object) -> AttentionBackendEnum | None:
+    """Parse a backend name as typed by a user (env var, CLI, config file).
+
+    Case-insensitive, surrounding spaces ignored; ``None``, ``""`` and ``"auto"`` mean automatic
+    selection and give None. A member is returned as is.
+
+    Raises:
+        UnknownBackendError: an unknown name (never ignored), with the closest suggestion.
+        InvalidBackendTypeError: neither a string nor a member.
+    """
+    if name is None or isinstance(name, AttentionBackendEnum):
+        return name
+    if not isinstance(name, str):
+        raise InvalidBackendTypeError("backend", name, "a backend name or an AttentionBackendEnum")
+    text = name.strip()
+    if text.lower() in ("", "auto"):
+        return None
+    members = AttentionBackendEnum._member_map_
+    member = members.get(text) or members.get(text.upper())
+    if member is None:
+        by_upper = {key.upper(): value for key, value in members.items()}
+        member = by_upper.get(text.upper())
+    if member is None:
+        raise UnknownBackendError(name, [*members, "auto"])
+    return member  # type: ignore[return-value]
 
 
 def check_new_name(name: object) -> str:

@@ -28,12 +28,15 @@ from attn_di.exceptions import BackendNotRegisteredError
 if TYPE_CHECKING:
     from attn_di._enum import AttentionBackendEnum
 
-__all__ = ["LOCAL_LAYERS", "STATE_LOCK", "BackendProvider", "Layer", "Target"]
+__all__ = ["GENERATION", "LOCAL_LAYERS", "STATE_LOCK", "BackendProvider", "Layer", "Target"]
 
 # One lock for every registry mutation (rare); readers never take it on the fast path.
 STATE_LOCK = threading.RLock()
 
 _UNSET: Any = object()
+
+# Bumped by every change to any provider's state: selection caches key on it.
+GENERATION = [0]
 
 
 class Target:
@@ -223,6 +226,7 @@ class BackendProvider(providers.Provider[Any]):
     def invalidate(self) -> None:
         """Forget the cached class; bump the version so in-flight resolutions do not store."""
         self._version += 1
+        GENERATION[0] += 1
         index = self._index
         index.pop(self.member, None)
         index.pop(self.name, None)

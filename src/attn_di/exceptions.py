@@ -12,6 +12,8 @@ already catch, so ``except ValueError`` keeps working where vLLM raised one::
     ├── InvalidBackendNameError (ValueError)            a runtime member name refused
     ├── UnexportableBackendError (ValueError)           a class with no importable path
     ├── RegistrationsEnvError (ValueError)              inherited ATTN_DI_REGISTRATIONS unusable
+    ├── NoValidBackendError (ValueError)                selection found no valid candidate
+    ├── BackendRejectedError (ValueError)               a forced backend refuses the config
     ├── UnsupportedFeatureError (NotImplementedError)   an impl asked for a feature it lacks
     └── InvalidInputError (ValueError)                  a tensor or size that does not fit
 
@@ -24,7 +26,7 @@ The data lives on the exception as attributes; the message is rendered by
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = [
     "AttnDIDeprecationWarning",
@@ -32,10 +34,12 @@ __all__ = [
     "AttnDIWarning",
     "BackendImportError",
     "BackendNotRegisteredError",
+    "BackendRejectedError",
     "InvalidBackendNameError",
     "InvalidBackendTypeError",
     "InvalidClassPathError",
     "InvalidInputError",
+    "NoValidBackendError",
     "RegistrationsEnvError",
     "UnexportableBackendError",
     "UnknownBackendError",
@@ -301,6 +305,62 @@ class RegistrationsEnvError(AttnDIError, ValueError):
 
     def message(self) -> str:
         return f"cannot apply the registrations inherited in {self.variable}: {self.reason}"
+
+
+class NoValidBackendError(AttnDIError, ValueError):
+    """Automatic selection found no candidate that accepts the configuration.
+
+    Attributes:
+        config: the selector configuration (its repr is shown).
+        device: the device, as a string.
+        rejected: ``{member name: [reasons]}`` for every candidate, in priority order.
+    """
+
+    def __init__(self, config: object, device: str, rejected: Mapping[str, Sequence[str]]) -> None:
+        super().__init__(config, device, dict(rejected))
+        self.config = config
+        self.device = device
+        self.rejected = {name: list(reasons) for name, reasons in rejected.items()}
+        self.hint = (
+            "register a backend that supports this configuration, or change the configuration"
+            if self.rejected
+            else "the candidate policy returned no candidates for this device"
+        )
+
+    def message(self) -> str:
+        lines = [f"no valid attention backend for {self.config!r} on {self.device}; candidates:"]
+        lines += [f"  {name}: {'; '.join(reasons)}" for name, reasons in self.rejected.items()]
+        return "\n".join(lines)
+
+
+class BackendRejectedError(AttnDIError, ValueError):
+    """A backend that was asked for explicitly refuses the configuration (no fallback).
+
+    Attributes:
+        member: the backend's name.
+        reasons: why it refused.
+        origin: where it was asked for ("backend= argument", "force_backend()",
+            "ATTN_DI_BACKEND").
+        config: the selector configuration.
+        device: the device, as a string.
+    """
+
+    def __init__(
+        self, member: str, reasons: Sequence[str], origin: str, config: object, device: str
+    ) -> None:
+        super().__init__(member, tuple(reasons), origin, config, device)
+        self.member = member
+        self.reasons = list(reasons)
+        self.origin = origin
+        self.config = config
+        self.device = device
+        self.hint = "use backend='auto' to let attn_di choose, or a backend that supports it"
+
+    def message(self) -> str:
+        return (
+            f"attention backend {self.member} (from {self.origin}) cannot run {self.config!r} "
+            f"on {self.device}: {'; '.join(self.reasons)}"
+        )
 
 
 class UnsupportedFeatureError(AttnDIError, NotImplementedError):

@@ -139,7 +139,7 @@ class AttentionBackend:
     Subclasses set the class attributes and override ``get_name``, ``get_impl_cls`` and
     whatever capability they differ on. The defaults follow vLLM's: fp16/bf16, ``"auto"``
     KV cache only, any head size, any block size, decoder attention only, no MLA, sinks or
-    sparsity, every compute capability.
+    sparsity, the CPU only (see :meth:`supports_compute_capability`).
 
     Attributes:
         supported_dtypes: model dtypes (torch dtypes or their names).
@@ -268,8 +268,15 @@ class AttentionBackend:
 
     @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability | None) -> bool:
-        """Whether the backend runs on a device of this compute capability (any by default)."""
-        return True
+        """Whether the backend runs on a device of this compute capability.
+
+        vLLM's ``validate_configuration`` has no device parameter: the capability is the device
+        signal. ``None`` means the CPU (needs ``"cpu"`` in :attr:`supported_devices`); any
+        capability means a GPU (needs ``"cuda"`` or ``"rocm"``), every capability by default.
+        """
+        if capability is None:
+            return "cpu" in cls.supported_devices
+        return bool({"cuda", "rocm"} & set(cls.supported_devices))
 
     @classmethod
     def supports_combination(

@@ -1,0 +1,416 @@
+"""Automatic backend selection with a reason for every rejection, and forced choices.
+
+Precedence (first that is set wins): the ``backend=`` argument, then the innermost
+``with force_backend(...)`` of this thread / asyncio task, then the ``ATTN_DI_BACKEND``
+environment variable, then automatic selection over the container's candidate policy.
+``None``/``"auto"`` at any level means "not set here". A backend asked for explicitly is used
+on every device if it validates, and raises :class:`BackendRejectedError` if not: never a
+silent fallback.
+
+Each candidate is resolved through the container (so registrations and overrides are what
+is validated) and asked ``validate_configuration(...)`` with vLLM's keyword arguments; an
+import failure is a rejection reason, not a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from attn_di import _provider
+from attn_di._device import Device, parse_device
+from attn_di._enum import AttentionBackendEnum, parse_backend_name
+from attn_di.exceptions import (
+    AttnDIError,
+    BackendRejectedError,
+    InvalidInputError,
+    NoValidBackendError,
+    closest_name,
+)
+
+if TYPE_CHECKING:
+    from attn_di._container import BackendContainer
+
+__all__ = [
+    "ENV_BACKEND",
+    "AttentionSelectorConfig",
+    "Selection",
+    "canonical_dtype",
+    "default_candidates",
+    "force_backend",
+    "select_backend",
+]
+
+ENV_BACKEND = "ATTN_DI_BACKEND"
+logger = logging.getLogger("attn_di")
+
+_DTYPES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float64": "float64", "fp64": "float64", "double": "float64",
+}  # fmt: skip
+_ATTN_TYPES = ("decoder", "encoder", "encoder_only", "encoder_decoder")
+_FORCED: ContextVar[AttentionBackendEnum | None] = ContextVar("attn_di_forced", default=None)
+
+E = AttentionBackendEnum
+
+
+def canonical_dtype(dtype: object) -> str:
+    """The canonical name of a dtype given as a torch dtype or a name ("bf16", "torch.half").
+
+    Raises:
+        InvalidInputError: an unknown dtype (a ValueError), listing the valid names.
+    """
+    text = str(dtype).strip().lower().removeprefix("torch.")
+    if text in _DTYPES:
+        return _DTYPES[text]
+    close = closest_name(text, _DTYPES)
+    raise InvalidInputError(
+        "dtype",
+        f"unknown dtype {dtype!r}; valid: {', '.join(sorted(set(_DTYPES.values())))}",
+        hint=f"did you mean {_DTYPES[close.lower()]!r}?" if close else None,
+    )
+
+
+@dataclass(frozen=True)
+class AttentionSelectorConfig:
+    """What a model layer needs from its attention backend (hashable; the selection cache key).
+
+    Attributes:
+        head_size: per-head hidden size, e.g. 128.
+        dtype: activation dtype, stored by canonical name ("bfloat16"); a torch dtype or any
+            alias ("bf16", "half", "torch.float16") is accepted.
+        kv_cache_dtype: "auto" (same as dtype) or a cache dtype name such as "fp8".
+        block_size: KV-cache block size in tokens; None = any.
+        use_mla: multi-head latent attention (DeepSeek-style).
+        has_sink: the layer has attention sinks.
+        use_sparse: sparse (MLA) attention.
+        attn_type: "decoder", "encoder", "encoder_only" or "encoder_decoder".
+
+    Raises:
+        InvalidInputError: a non-positive head_size or block_size, an unknown dtype or attn_type.
+    """
+
+    head_size: int
+    dtype: Any
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None
+    use_mla: bool = False
+    has_sink: bool = False
+    use_sparse: bool = False
+    attn_type: str = "decoder"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.head_size, bool) or not isinstance(self.head_size, int):
+            raise InvalidInputError("head_size", f"expected an int, got {self.head_size!r}")
+        if self.head_size <= 0:
+            raise InvalidInputError("head_size", f"must be positive, got {self.head_size}")
+        if self.block_size is not None and (
+            isinstance(self.block_size, bool)
+            or not isinstance(self.block_size, int)
+            or self.block_size <= 0
+        ):
+            raise InvalidInputError(
+                "block_size", f"must be a positive int, got {self.block_size!r}"
+            )
+        if self.attn_type not in _ATTN_TYPES:
+            raise InvalidInputError(
+                "attn_type",
+                f"unknown attention type {self.attn_type!r}; valid: {', '.join(_ATTN_TYPES)}",
+            )
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        object.__setattr__(self, "kv_cache_dtype", str(self.kv_cache_dtype).strip().lower())
+
+    def validation_kwargs(self, device: Device) -> dict[str, Any]:
+        """The keyword arguments of vLLM's ``validate_configuration`` for this config.
+
+        ``dtype`` becomes a torch dtype when torch is installed (vLLM's backends compare torch
+        dtypes); ``device_capability`` is a ``DeviceCapability`` on GPUs and None on the CPU.
+        """
+        return {
+            "head_size": self.head_size,
+            "dtype": _torch_dtype(self.dtype),
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "block_size": self.block_size,
+            "use_mla": self.use_mla,
+            "has_sink": self.has_sink,
+            "use_sparse": self.use_sparse,
+            "device_capability": _capability(device),
+            "attn_type": self.attn_type,
+        }
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The outcome of :func:`select_backend`.
+
+    Attributes:
+        backend: the chosen member.
+        backend_cls: its class, as resolved by the container (registrations and overrides apply).
+        path: the class path it resolved from.
+        rejected: ``{member: [reasons]}`` for every candidate tried and refused, in order.
+        origin: "backend= argument", "force_backend()", "ATTN_DI_BACKEND" or "auto".
+        config: the configuration selected for.
+        device: the device selected for.
+    """
+
+    backend: AttentionBackendEnum
+    backend_cls: type[Any]
+    path: str
+    rejected: dict[AttentionBackendEnum, list[str]] = field(default_factory=dict)
+    origin: str = "auto"
+    config: AttentionSelectorConfig | None = None
+    device: Device | None = None
+
+
+def default_candidates(
+    device: Device, config: AttentionSelectorConfig
+) -> list[AttentionBackendEnum]:
+    """attn_di's candidate policy: members in priority order for a device and configuration.
+
+    CUDA follows vLLM's ``CudaPlatform`` (capability major 10 prefers FlashInfer; MLA and
+    sparse MLA have their own lists); ROCm: the AITER backends, then ROCm/Triton; CPU:
+    CPU_ATTN, TORCH_SDPA, FLEX_ATTENTION. Replace it per container with
+    ``container.candidates.override(providers.Callable(my_policy))`` or a fixed list with
+    ``providers.Object([...])``.
+    """
+    if device.kind == "cpu":
+        return [E.CPU_ATTN, E.TORCH_SDPA, E.FLEX_ATTENTION]
+    if device.kind == "rocm":
+        if config.use_mla:
+            return [E.ROCM_AITER_MLA, E.TRITON_MLA]
+        return [E.ROCM_AITER_FA, E.ROCM_AITER_UNIFIED_ATTN, E.ROCM_ATTN, E.TRITON_ATTN]
+    blackwell = device.capability is not None and device.capability[0] == 10
+    if config.use_mla:
+        if config.use_sparse:
+            return [E.FLASHMLA_SPARSE]
+        if blackwell:
+            return [E.FLASHINFER_MLA, E.CUTLASS_MLA, E.FLASH_ATTN_MLA, E.FLASHMLA, E.TRITON_MLA]
+        return [E.FLASH_ATTN_MLA, E.FLASHMLA, E.FLASHINFER_MLA, E.TRITON_MLA]
+    if blackwell:
+        return [E.FLASHINFER, E.FLASH_ATTN, E.TRITON_ATTN, E.FLEX_ATTENTION]
+    return [E.FLASH_ATTN, E.FLASHINFER, E.TRITON_ATTN, E.FLEX_ATTENTION]
+
+
+@contextmanager
+def force_backend(
+    backend: AttentionBackendEnum | str | None,
+) -> Iterator[AttentionBackendEnum | None]:
+    """Force a backend for selections in this thread / asyncio task until the block ends.
+
+    Blocks nest (the innermost wins); ``None`` or ``"auto"`` lifts an outer force for the block.
+    Names are parsed case-insensitively.
+
+    Raises:
+        UnknownBackendError: an unknown name.
+    """
+    member = parse_backend_name(backend)
+    token = _FORCED.set(member)
+    try:
+        yield member
+    finally:
+        _FORCED.reset(token)
+
+
+def select_backend(
+    config: AttentionSelectorConfig,
+    *,
+    device: str | Device | None = None,
+    backend: AttentionBackendEnum | str | None = None,
+    container: BackendContainer | None = None,
+) -> Selection:
+    """Choose the attention backend for ``config`` on ``device``.
+
+    Args:
+        config: what the layer needs.
+        device: "cpu", "cuda", "cuda:9.0", "rocm"; None detects it through torch.
+        backend: an explicit choice (member or name, case-insensitive); None/"auto" = not set.
+        container: where candidates are resolved; the default container if None.
+
+    Returns:
+        The :class:`Selection`; cached per inputs and registry state, never stale.
+
+    Raises:
+        BackendRejectedError: an explicitly asked-for backend refuses the configuration.
+        NoValidBackendError: no candidate accepts it (every candidate with its reasons).
+        UnknownBackendError: an unknown backend name (also from ``ATTN_DI_BACKEND``).
+        InvalidInputError: a malformed device.
+    """
+    from attn_di._default import get_container
+
+    target = container if container is not None else get_container()
+    parsed_device = parse_device(device)
+    requested, origin = _requested(backend)
+    key = (
+        config,
+        parsed_device,
+        requested,
+        origin,
+        target._serial,
+        _provider.GENERATION[0],
+        _provider.LOCAL_LAYERS.get(),
+        target.candidates.last_overriding,
+    )
+    cached = _cache_get(key)
+    if cached is not None:
+        return cached
+    if requested is not None:
+        selection = _select_requested(target, config, parsed_device, requested, origin)
+    else:
+        selection = _select_auto(target, config, parsed_device)
+    _cache_put(key, selection)
+    return selection
+
+
+def select_from_settings(container: BackendContainer, settings: dict[str, Any]) -> Selection:
+    """:func:`select_backend` from a flat mapping (the container's ``attention`` Configuration).
+
+    Keys: the :class:`AttentionSelectorConfig` fields, plus optional ``device`` and ``backend``.
+
+    Raises:
+        InvalidInputError: a missing head_size/dtype or an unknown key.
+    """
+    values = dict(settings or {})
+    device = values.pop("device", None)
+    backend = values.pop("backend", None)
+    fields = set(AttentionSelectorConfig.__dataclass_fields__)
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise InvalidInputError(
+            "attention settings",
+            f"unknown keys {unknown}; valid: {', '.join(sorted(fields | {'device', 'backend'}))}",
+        )
+    missing = [name for name in ("head_size", "dtype") if values.get(name) is None]
+    if missing:
+        raise InvalidInputError(
+            "attention settings",
+            f"missing {', '.join(missing)}",
+            hint='set them first, e.g. container.attention.from_dict({"head_size": 128, '
+            '"dtype": "bfloat16"})',
+        )
+    config = AttentionSelectorConfig(**values)
+    return select_backend(config, device=device, backend=backend, container=container)
+
+
+# -- internals ------------------------------------------------------------------------
+def _requested(
+    backend: AttentionBackendEnum | str | None,
+) -> tuple[AttentionBackendEnum | None, str]:
+    explicit = parse_backend_name(backend)
+    if explicit is not None:
+        return explicit, "backend= argument"
+    forced = _FORCED.get()
+    if forced is not None:
+        return forced, "force_backend()"
+    env = os.environ.get(ENV_BACKEND)
+    if env is not None:
+        try:
+            from_env = parse_backend_name(env)
+        except AttnDIError as exc:
+            exc.add_note(f"(read from the environment variable {ENV_BACKEND}={env!r})")
+            raise
+        if from_env is not None:
+            return from_env, ENV_BACKEND
+    return None, "auto"
+
+
+def _select_requested(
+    container: BackendContainer,
+    config: AttentionSelectorConfig,
+    device: Device,
+    member: AttentionBackendEnum,
+    origin: str,
+) -> Selection:
+    backend_cls, reasons = _check(container, member, config, device)
+    if backend_cls is None:
+        logger.debug("forced backend %s (%s) rejected: %s", member.name, origin, reasons)
+        raise BackendRejectedError(member.name, reasons, origin, config, str(device))
+    logger.debug("selected %s (%s) for %r on %s", member.name, origin, config, device)
+    return Selection(member, backend_cls, container.get_path(member), {}, origin, config, device)
+
+
+def _select_auto(
+    container: BackendContainer, config: AttentionSelectorConfig, device: Device
+) -> Selection:
+    candidates: Sequence[AttentionBackendEnum] = container.candidates(device, config)
+    rejected: dict[AttentionBackendEnum, list[str]] = {}
+    for member in candidates:
+        backend_cls, reasons = _check(container, member, config, device)
+        if backend_cls is not None:
+            for refused, why in rejected.items():
+                logger.debug("rejected %s: %s", refused.name, "; ".join(why))
+            logger.debug("selected %s for %r on %s", member.name, config, device)
+            return Selection(
+                member, backend_cls, container.get_path(member), rejected, "auto", config, device
+            )
+        rejected[member] = reasons
+    logger.debug("no valid backend for %r on %s: %s", config, device, rejected)
+    raise NoValidBackendError(
+        config, str(device), {member.name: reasons for member, reasons in rejected.items()}
+    )
+
+
+def _check(
+    container: BackendContainer,
+    member: AttentionBackendEnum,
+    config: AttentionSelectorConfig,
+    device: Device,
+) -> tuple[type[Any] | None, list[str]]:
+    try:
+        backend_cls = container.backend(member)
+    except AttnDIError as exc:
+        return None, [f"cannot be used here: {exc.message()}"]
+    validate: Callable[..., Sequence[str]] | None = getattr(
+        backend_cls, "validate_configuration", None
+    )
+    if validate is None:
+        return None, ["the class has no validate_configuration()"]
+    try:
+        reasons = [str(reason) for reason in validate(**config.validation_kwargs(device))]
+    except Exception as exc:  # a broken backend is a rejection, not a crash of selection
+        return None, [f"validate_configuration raised {type(exc).__name__}: {exc}"]
+    return (None, reasons) if reasons else (backend_cls, [])
+
+
+def _torch_dtype(name: str) -> Any:
+    try:
+        import torch
+    except ImportError:
+        return name
+    return getattr(torch, name)
+
+
+def _capability(device: Device) -> Any:
+    if device.capability is None:
+        return None
+    from attn_di.backend import DeviceCapability
+
+    return DeviceCapability(*device.capability)
+
+
+_cache: OrderedDict[tuple[Any, ...], Selection] = OrderedDict()
+_cache_lock = threading.Lock()
+_CACHE_SIZE = 256
+
+
+def _cache_get(key: tuple[Any, ...]) -> Selection | None:
+    with _cache_lock:
+        selection = _cache.get(key)
+        if selection is not None:
+            _cache.move_to_end(key)
+        return selection
+
+
+def _cache_put(key: tuple[Any, ...], selection: Selection) -> None:
+    with _cache_lock:
+        _cache[key] = selection
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
