@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the main job: the example engine.
+# Set up (scripts/setup.sh) and run the main job: generate with the tiny example model through
+# the automatically selected backend, then show every backend (attn-di list) and run, check and
+# time every backend that works here on this machine's defaults (attn-di run --backend all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python examples/engine/engine.py
+echo "== python examples/tiny_llm/generate.py --backend auto --tokens 32"
+.venv/bin/python examples/tiny_llm/generate.py --backend auto --tokens 32
+echo "== attn-di list"
+.venv/bin/attn-di list
+echo "== attn-di run --backend all"
+.venv/bin/attn-di run --backend all

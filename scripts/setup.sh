@@ -13,7 +13,7 @@ fi
 quiet() { "$@" 2>&1 | { grep -v "is ignored" || true; }; }
 quiet .venv/bin/python -m pip install -q --upgrade pip
 quiet .venv/bin/python -m pip install -q torch==2.13.0 numpy
-quiet .venv/bin/python -m pip install -q -e '.[torch,test,ray]'
+quiet .venv/bin/python -m pip install -q -e '.[torch,test,ray,cli]'
 quiet .venv/bin/python -m pip install -q --no-deps -e tests/plugin_dist
 .venv/bin/python -c "import attn_di, attn_di_test_plugin, torch, pytest, hypothesis, ray, dependency_injector; \
 print(f'attn_di ready: torch {torch.__version__}, dependency-injector {dependency_injector.__version__}')"

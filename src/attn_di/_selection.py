@@ -76,7 +76,7 @@ def canonical_dtype(dtype: object) -> str:
     raise InvalidInputError(
         "dtype",
         f"unknown dtype {dtype!r}; valid: {', '.join(sorted(set(_DTYPES.values())))}",
-        hint=f"did you mean {_DTYPES[close.lower()]!r}?" if close else None,
+        hint=f"did you mean {_DTYPES[close.lower()]!r}?" if close else "e.g. 'bfloat16'",
     )
 
 
@@ -110,9 +110,13 @@ class AttentionSelectorConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.head_size, bool) or not isinstance(self.head_size, int):
-            raise InvalidInputError("head_size", f"expected an int, got {self.head_size!r}")
+            raise InvalidInputError(
+                "head_size", f"expected an int, got {self.head_size!r}", hint="e.g. 128"
+            )
         if self.head_size <= 0:
-            raise InvalidInputError("head_size", f"must be positive, got {self.head_size}")
+            raise InvalidInputError(
+                "head_size", f"must be positive, got {self.head_size}", hint="e.g. 64 or 128"
+            )
         if self.block_size is not None and (
             isinstance(self.block_size, bool)
             or not isinstance(self.block_size, int)
@@ -122,9 +126,11 @@ class AttentionSelectorConfig:
                 "block_size", f"must be a positive int, got {self.block_size!r}"
             )
         if self.attn_type not in _ATTN_TYPES:
+            close = closest_name(str(self.attn_type), _ATTN_TYPES)
             raise InvalidInputError(
                 "attn_type",
                 f"unknown attention type {self.attn_type!r}; valid: {', '.join(_ATTN_TYPES)}",
+                hint=f"did you mean {close.lower()!r}?" if close else "e.g. 'decoder'",
             )
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         object.__setattr__(self, "kv_cache_dtype", str(self.kv_cache_dtype).strip().lower())

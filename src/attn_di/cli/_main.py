@@ -1,0 +1,105 @@
+"""Argument parsing and dispatch for ``attn-di``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from attn_di.cli._output import print_error
+from attn_di.exceptions import AttnDIError, BackendRejectedError, NoValidBackendError
+
+__all__ = ["build_parser", "main"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a check failed, or no backend could be chosen
+EXIT_USAGE = 2  # bad input: names, shapes, dtypes (argparse uses 2 as well)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``attn-di`` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="attn-di",
+        description="List, select and run attention backends (attn_di).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    listing = commands.add_parser("list", help="every backend, where it comes from, if it imports")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    select = commands.add_parser("select", help="which backend a configuration gets, and why")
+    _add_config_arguments(select)
+    select.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:9.0, rocm (default: detect)"
+    )
+    select.add_argument("--backend", default=None, help="force a backend (name, or auto)")
+    select.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    run = commands.add_parser("run", help="run and check a paged-attention batch, with timings")
+    run.add_argument("--backend", default="auto", help="auto, a backend name, or all")
+    run.add_argument("--batch", type=int, default=8, help="sequences in the batch (default 8)")
+    run.add_argument("--context", type=int, default=2048, help="cached tokens per sequence")
+    run.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="new tokens per chunked-prefill sequence; half the batch prefills (0: all decode)",
+    )
+    run.add_argument("--heads", type=int, default=32, help="query heads")
+    run.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
+    run.add_argument("--head-size", type=int, default=128)
+    run.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    run.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
+    run.add_argument("--iters", type=int, default=5, help="timed iterations (median reported)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--head-size", type=int, required=True)
+    parser.add_argument("--dtype", required=True, help="e.g. bfloat16, float16, float32")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--mla", action="store_true", help="multi-head latent attention")
+    parser.add_argument("--sink", action="store_true", help="the layer has attention sinks")
+    parser.add_argument("--sparse", action="store_true", help="sparse attention")
+    parser.add_argument(
+        "--attn-type",
+        default="decoder",
+        choices=["decoder", "encoder", "encoder_only", "encoder_decoder"],
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``attn-di``; returns the exit code (0 ok, 1 failed check / no backend, 2 bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "list":
+            from attn_di.cli._list import run_list
+
+            return run_list(args)
+        if args.command == "select":
+            from attn_di.cli._select import run_select
+
+            return run_select(args)
+        from attn_di.cli._run import run_batch
+
+        return run_batch(args)
+    except (NoValidBackendError, BackendRejectedError) as exc:
+        print_error(exc.message(), exc.hint)
+        return EXIT_FAILED
+    except AttnDIError as exc:
+        print_error(exc.message(), exc.hint)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `attn-di list | head`: stop quietly, as other tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
