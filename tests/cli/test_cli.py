@@ -24,14 +24,36 @@ def test_list_json_describes_every_member() -> None:
     """list --json: one record per member with path, source and whether it imports."""
     result = attn_di("list", "--json")
     assert result.returncode == 0, result.stderr
-    records = {record["name"]: record for record in json.loads(result.stdout)}
+    records = {record["name"]: record for record in json.loads(result.stdout)["members"]}
     assert records["CPU_ATTN"]["imports"] is True
     assert records["CPU_ATTN"]["source"] == "default"
     assert records["CPU_ATTN"]["path"] == "attn_di.backends.cpu_attn.CPUAttentionBackend"
     assert records["FLASH_ATTN"]["imports"] is False
     assert "module not found" in records["FLASH_ATTN"]["error"]
-    assert records["CUSTOM"]["path"] is None
-    assert "no class path" in records["CUSTOM"]["error"]
+    assert records["CPU_ATTN"]["plugin"] is None
+
+
+def test_list_shows_plugins_and_their_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """list names the distribution behind each plugin registration and each failed plugin."""
+    monkeypatch.setenv("ATTN_DI_PLUGINS", "tiny,broken")
+    result = attn_di("list", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    payload = json.loads(result.stdout)
+    records = {record["name"]: record for record in payload["members"]}
+    assert records["TINY_ATTN"]["source"] == "plugin"
+    assert records["TINY_ATTN"]["plugin"] == "tiny from attn-di-test-plugin"
+    assert records["TINY_ATTN"]["runtime_member"] is True
+    plugins = {plugin["name"]: plugin for plugin in payload["plugins"]}
+    assert plugins["tiny"]["status"] == "loaded"
+    assert plugins["tiny"]["distribution"] == "attn-di-test-plugin"
+    assert plugins["tiny"]["members"] == ["TINY_ATTN"]
+    assert plugins["broken"]["status"] == "failed"
+    assert "fails on purpose" in plugins["broken"]["error"]
+    assert records["FLASH_ATTN"]["source"] == "default"  # the failed plugin's work was undone
+    table = attn_di("list")
+    assert "tiny from attn-di-test-plugin" in table.stdout
+    assert "failed" in table.stdout
 
 
 def test_list_table_on_a_pipe() -> None:

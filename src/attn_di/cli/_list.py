@@ -7,10 +7,11 @@ from typing import Any
 
 from attn_di._default import get_container
 from attn_di._enum import AttentionBackendEnum, runtime_members
+from attn_di._plugins import PluginRecord, plugin_report
 from attn_di.cli._output import print_json, print_table
 from attn_di.exceptions import AttnDIError
 
-__all__ = ["describe_members", "run_list"]
+__all__ = ["describe_members", "describe_plugins", "run_list"]
 
 
 def describe_members() -> list[dict[str, Any]]:
@@ -20,12 +21,14 @@ def describe_members() -> list[dict[str, Any]]:
     """
     container = get_container()
     runtime = set(runtime_members())
+    report = plugin_report()
     records = []
     for member in AttentionBackendEnum:
         record: dict[str, Any] = {
             "name": member.name,
             "path": None,
             "source": container.source(member),
+            "plugin": _plugin_of(report.origin(member)),
             "runtime_member": member in runtime,
             "imports": False,
             "error": None,
@@ -40,17 +43,34 @@ def describe_members() -> list[dict[str, Any]]:
     return records
 
 
+def describe_plugins() -> list[dict[str, Any]]:
+    """One record per ``attn_di.plugins`` entry point seen: distribution, status, members, error."""
+    return [
+        {
+            "name": record.name,
+            "target": record.value,
+            "distribution": record.distribution,
+            "version": record.version,
+            "status": record.status,
+            "members": list(record.members),
+            "error": record.error,
+        }
+        for record in plugin_report().plugins
+    ]
+
+
 def run_list(args: argparse.Namespace) -> int:
-    """Print the members as a table or JSON; always exits 0."""
+    """Print the members (and the plugins) as tables or JSON; always exits 0."""
     records = describe_members()
+    plugins = describe_plugins()
     if args.json:
-        print_json(records)
+        print_json({"members": records, "plugins": plugins})
         return 0
     rows = [
         (
             record["name"] + (" *" if record["runtime_member"] else ""),
             record["path"] or "-",
-            record["source"],
+            record["source"] + (f" ({record['plugin']})" if record["plugin"] else ""),
             "yes" if record["imports"] else "no",
             _short(record["error"]),
         )
@@ -61,7 +81,28 @@ def run_list(args: argparse.Namespace) -> int:
         ["member", "path", "source", "imports", "why not"],
         rows,
     )
+    if plugins:
+        print_table(
+            "plugins (entry points attn_di.plugins; ATTN_DI_PLUGINS allowlists them)",
+            ["plugin", "distribution", "status", "registered", "error"],
+            [
+                (
+                    plugin["name"],
+                    f"{plugin['distribution'] or '?'} {plugin['version'] or ''}".strip(),
+                    plugin["status"],
+                    ", ".join(plugin["members"]) or "-",
+                    plugin["error"] or "",
+                )
+                for plugin in plugins
+            ],
+        )
     return 0
+
+
+def _plugin_of(record: PluginRecord | None) -> str | None:
+    if record is None:
+        return None
+    return f"{record.name} from {record.distribution or 'an unknown distribution'}"
 
 
 def _short(error: str | None) -> str:

@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``attn-di``; returns the exit code (0 ok, 1 failed check / no backend, 2 bad input)."""
     args = build_parser().parse_args(argv)
     try:
+        _load_plugins_quietly()
         if args.command == "list":
             from attn_di.cli._list import run_list
 
@@ -99,6 +100,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _load_plugins_quietly() -> None:
+    """Load ``attn_di.plugins`` entry points; failures are shown by ``attn-di list``, not as
+    logged tracebacks on every command (unless the caller configured logging)."""
+    import logging
+
+    from attn_di._plugins import load_plugins
+
+    plugin_logger = logging.getLogger("attn_di.plugins")
+    if not logging.getLogger().handlers and not plugin_logger.handlers:
+        plugin_logger.addHandler(logging.NullHandler())
+    load_plugins()
 
 
 if __name__ == "__main__":  # pragma: no cover
