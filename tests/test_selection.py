@@ -14,6 +14,7 @@ from dependency_injector.wiring import Provide, inject
 from attn_di import (
     AttentionBackendEnum,
     AttentionSelectorConfig,
+    AttnDIError,
     BackendContainer,
     BackendRejectedError,
     NoValidBackendError,
@@ -307,18 +308,76 @@ def test_two_asyncio_tasks_force_different_backends(
 def test_cache_is_never_stale(
     cpu_fakes: dict[AttentionBackendEnum, type], container: BackendContainer
 ) -> None:
-    """Registrations, clears, overrides and policy changes after a cached selection are seen."""
+    """Repeated selections are cached; registrations, clears, overrides and policies are seen."""
+    calls = []
+    counting = fake_backend("Counting")
+    original = counting.validate_configuration
+
+    def validate(*args: Any, **kwargs: Any) -> list[str]:
+        calls.append(kwargs)
+        return list(original(*args, **kwargs))
+
+    counting.validate_configuration = validate  # type: ignore[attr-defined]
+    register_backend(E.CPU_ATTN, counting)
     first = select_backend(CONFIG, device="cpu")
-    assert select_backend(CONFIG, device="cpu") is first  # cached
+    assert select_backend(CONFIG, device="cpu") == first
+    assert len(calls) == 1  # the second call came from the cache
     register_backend(E.CPU_ATTN, fake_backend("No", head_sizes=()))
     assert select_backend(CONFIG, device="cpu").backend is E.TORCH_SDPA
-    register_backend(E.CPU_ATTN, cpu_fakes[E.CPU_ATTN])
+    register_backend(E.CPU_ATTN, counting)
     assert select_backend(CONFIG, device="cpu").backend is E.CPU_ATTN
     with container.override(E.CPU_ATTN, fake_backend("No", head_sizes=()), local=True):
         assert select_backend(CONFIG, device="cpu").backend is E.TORCH_SDPA
-    with container.candidates.override(providers.Object([E.FLEX_ATTENTION])):
-        assert select_backend(CONFIG, device="cpu").backend is E.FLEX_ATTENTION
+    policy = providers.Callable(lambda device, config: [E.TORCH_SDPA])
+    with container.candidates.override(policy):
+        assert select_backend(CONFIG, device="cpu").backend is E.TORCH_SDPA
+        with policy.override(providers.Callable(lambda device, config: [E.FLEX_ATTENTION])):
+            assert select_backend(CONFIG, device="cpu").backend is E.FLEX_ATTENTION
     assert select_backend(CONFIG, device="cpu") == first
+
+
+def test_a_returned_selection_cannot_corrupt_the_cache(
+    cpu_fakes: dict[AttentionBackendEnum, type], container: BackendContainer
+) -> None:
+    """Changing a returned Selection's rejected dict does not change later results."""
+    with container.override(E.CPU_ATTN, fake_backend("No", head_sizes=())):
+        select_backend(CONFIG, device="cpu").rejected.clear()
+        assert select_backend(CONFIG, device="cpu").rejected == {
+            E.CPU_ATTN: ["head_size not supported"]
+        }
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        providers.Object(["torch_sdpa", "CPU_ATTN"]),
+        providers.Callable(lambda device, config: ("TORCH_SDPA",)),
+    ],
+)
+def test_a_policy_may_return_names(
+    policy: Any, cpu_fakes: dict[AttentionBackendEnum, type], container: BackendContainer
+) -> None:
+    """Names in a policy's result are parsed like any backend name."""
+    with container.candidates.override(policy):
+        assert select_backend(CONFIG, device="cpu").backend is E.TORCH_SDPA
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        providers.Object(None),
+        providers.Object([42]),
+        providers.Object(["NOPE"]),
+        providers.Callable(lambda: [E.CPU_ATTN]),
+        providers.Callable(lambda device, config: 1 / 0),
+    ],
+)
+def test_a_broken_policy_is_a_typed_error(
+    policy: Any, cpu_fakes: dict[AttentionBackendEnum, type], container: BackendContainer
+) -> None:
+    """A policy that fails or returns junk raises an AttnDIError, never a bare exception."""
+    with container.candidates.override(policy), pytest.raises(AttnDIError):
+        select_backend(CONFIG, device="cpu")
 
 
 def test_custom_policy_is_injected_through_the_container(

@@ -45,7 +45,14 @@ def parse_device(device: str | Device | None) -> Device:
     if device is None:
         return detect_device()
     if not isinstance(device, str):
-        raise InvalidInputError("device", f"expected a string such as 'cpu', got {device!r}")
+        if type(device).__name__ == "device" and hasattr(device, "type"):  # a torch.device
+            device = str(device.type)
+        else:
+            raise InvalidInputError(
+                "device",
+                f"expected a string such as 'cpu', got {device!r}",
+                hint="'cpu' or 'cuda:9.0'",
+            )
     text = device.strip().lower()
     if text == "cpu":
         return Device("cpu")
@@ -61,6 +68,13 @@ def parse_device(device: str | Device | None) -> Device:
     match = _CAPABILITY_RE.match(text)
     if match:
         return Device(match.group(1), (int(match.group(2)), int(match.group(3))))
+    if re.fullmatch(r"(cuda|rocm):\d+", text):
+        raise InvalidInputError(
+            "device",
+            f"{device!r} looks like a torch device index; attn_di wants the platform and its "
+            "compute capability",
+            hint=f"'{text.split(':')[0]}' (detected) or e.g. '{text.split(':')[0]}:9.0'",
+        )
     raise InvalidInputError(
         "device",
         f"unknown device {device!r}; valid forms: cpu, cuda, cuda:MAJOR.MINOR, rocm, "

@@ -204,8 +204,9 @@ def lookup_member(key: object) -> AttentionBackendEnum:
 def parse_backend_name(name: object) -> AttentionBackendEnum | None:
     """Parse a backend name as typed by a user (env var, CLI, config file).
 
-    Case-insensitive, surrounding spaces ignored; ``None``, ``""`` and ``"auto"`` mean automatic
-    selection and give None. A member is returned as is.
+    Case-insensitive, surrounding spaces ignored, inner spaces and hyphens read as ``_``;
+    ``None``, ``""`` and ``"auto"`` mean automatic selection and give None. A member is returned
+    as is.
 
     Raises:
         UnknownBackendError: an unknown name (never ignored), with the closest suggestion.
@@ -215,7 +216,7 @@ def parse_backend_name(name: object) -> AttentionBackendEnum | None:
         return name
     if not isinstance(name, str):
         raise InvalidBackendTypeError("backend", name, "a backend name or an AttentionBackendEnum")
-    text = name.strip()
+    text = re.sub(r"[\s-]+", "_", name.strip())  # "torch sdpa", "torch-sdpa" -> TORCH_SDPA
     if text.lower() in ("", "auto"):
         return None
     members = AttentionBackendEnum._member_map_

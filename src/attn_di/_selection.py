@@ -14,7 +14,9 @@ import failure is a rejection reason, not a crash.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import operator
 import os
 import threading
 from collections import OrderedDict
@@ -49,6 +51,7 @@ __all__ = [
 ]
 
 ENV_BACKEND = "ATTN_DI_BACKEND"
+_IMPORT_FAILURE = "cannot be used here"
 logger = logging.getLogger("attn_di")
 
 _DTYPES = {
@@ -80,6 +83,35 @@ def canonical_dtype(dtype: object) -> str:
     )
 
 
+def _positive_int(name: str, value: object, example: str) -> int:
+    """``value`` as a positive int: ints, numpy ints and digit strings (config files, env)."""
+    number: int | None = None
+    if isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    elif not isinstance(value, bool):
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            number = None
+    if number is None or number <= 0:
+        raise InvalidInputError(
+            name, f"must be a positive int, got {value!r}", hint=f"e.g. {example}"
+        )
+    return number
+
+
+def _flag(name: str, value: object) -> bool:
+    """A bool, also from "true"/"false"/"1"/"0" (config files, env)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", "none", ""):
+        return False
+    raise InvalidInputError(name, f"expected a bool, got {value!r}", hint="True or False")
+
+
 @dataclass(frozen=True)
 class AttentionSelectorConfig:
     """What a model layer needs from its attention backend (hashable; the selection cache key).
@@ -109,31 +141,24 @@ class AttentionSelectorConfig:
     attn_type: str = "decoder"
 
     def __post_init__(self) -> None:
-        if isinstance(self.head_size, bool) or not isinstance(self.head_size, int):
-            raise InvalidInputError(
-                "head_size", f"expected an int, got {self.head_size!r}", hint="e.g. 128"
-            )
-        if self.head_size <= 0:
-            raise InvalidInputError(
-                "head_size", f"must be positive, got {self.head_size}", hint="e.g. 64 or 128"
-            )
-        if self.block_size is not None and (
-            isinstance(self.block_size, bool)
-            or not isinstance(self.block_size, int)
-            or self.block_size <= 0
-        ):
-            raise InvalidInputError(
-                "block_size", f"must be a positive int, got {self.block_size!r}"
-            )
-        if self.attn_type not in _ATTN_TYPES:
-            close = closest_name(str(self.attn_type), _ATTN_TYPES)
+        object.__setattr__(self, "head_size", _positive_int("head_size", self.head_size, "128"))
+        if self.block_size is not None:
+            block_size = _positive_int("block_size", self.block_size, "16, or None for any")
+            object.__setattr__(self, "block_size", block_size)
+        for name in ("use_mla", "has_sink", "use_sparse"):
+            object.__setattr__(self, name, _flag(name, getattr(self, name)))
+        attn_type = str(self.attn_type).strip().lower()
+        if attn_type not in _ATTN_TYPES:
+            close = closest_name(attn_type, _ATTN_TYPES)
             raise InvalidInputError(
                 "attn_type",
                 f"unknown attention type {self.attn_type!r}; valid: {', '.join(_ATTN_TYPES)}",
                 hint=f"did you mean {close.lower()!r}?" if close else "e.g. 'decoder'",
             )
+        object.__setattr__(self, "attn_type", attn_type)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        object.__setattr__(self, "kv_cache_dtype", str(self.kv_cache_dtype).strip().lower())
+        kv_cache_dtype = "auto" if self.kv_cache_dtype is None else self.kv_cache_dtype
+        object.__setattr__(self, "kv_cache_dtype", str(kv_cache_dtype).strip().lower())
 
     def validation_kwargs(self, device: Device) -> dict[str, Any]:
         """The keyword arguments of vLLM's ``validate_configuration`` for this config.
@@ -255,6 +280,9 @@ def select_backend(
     target = container if container is not None else get_container()
     parsed_device = parse_device(device)
     requested, origin = _requested(backend)
+    # A custom policy (the candidates provider overridden) can change without any signal
+    # attn_di sees: such selections are not cached.
+    cacheable = not target.candidates.overridden
     key = (
         config,
         parsed_device,
@@ -263,17 +291,20 @@ def select_backend(
         target._serial,
         _provider.GENERATION[0],
         _provider.LOCAL_LAYERS.get(),
-        target.candidates.last_overriding,
     )
-    cached = _cache_get(key)
+    cached = _cache_get(key) if cacheable else None
     if cached is not None:
-        return cached
+        return _copy(cached)
     if requested is not None:
         selection = _select_requested(target, config, parsed_device, requested, origin)
     else:
         selection = _select_auto(target, config, parsed_device)
-    _cache_put(key, selection)
-    return selection
+    # An import failure can heal (a package installed meanwhile): not cached either.
+    if cacheable and not any(
+        _IMPORT_FAILURE in r for rs in selection.rejected.values() for r in rs
+    ):
+        _cache_put(key, selection)
+    return _copy(selection)
 
 
 def select_from_settings(container: BackendContainer, settings: dict[str, Any]) -> Selection:
@@ -290,9 +321,12 @@ def select_from_settings(container: BackendContainer, settings: dict[str, Any]) 
     fields = set(AttentionSelectorConfig.__dataclass_fields__)
     unknown = sorted(set(values) - fields)
     if unknown:
+        valid = sorted(fields | {"device", "backend"})
+        close = closest_name(unknown[0], valid)
         raise InvalidInputError(
             "attention settings",
-            f"unknown keys {unknown}; valid: {', '.join(sorted(fields | {'device', 'backend'}))}",
+            f"unknown keys {unknown}; valid: {', '.join(valid)}",
+            hint=f"did you mean {close.lower()!r}?" if close else None,
         )
     missing = [name for name in ("head_size", "dtype") if values.get(name) is None]
     if missing:
@@ -346,7 +380,7 @@ def _select_requested(
 def _select_auto(
     container: BackendContainer, config: AttentionSelectorConfig, device: Device
 ) -> Selection:
-    candidates: Sequence[AttentionBackendEnum] = container.candidates(device, config)
+    candidates = _candidates(container, config, device)
     rejected: dict[AttentionBackendEnum, list[str]] = {}
     for member in candidates:
         backend_cls, reasons = _check(container, member, config, device)
@@ -364,6 +398,40 @@ def _select_auto(
     )
 
 
+def _candidates(
+    container: BackendContainer, config: AttentionSelectorConfig, device: Device
+) -> list[AttentionBackendEnum]:
+    """The policy's candidates as members (names are parsed), or a typed error naming it."""
+    policy = container.candidates
+    try:
+        candidates = policy(device, config)
+        return [_as_member(candidate) for candidate in candidates]
+    except AttnDIError:
+        raise
+    except Exception as exc:
+        raise InvalidInputError(
+            "candidate policy",
+            f"{policy!r} failed for {device}: {type(exc).__name__}: {exc}",
+            hint="a policy is called as policy(device, config) and returns backend members or "
+            "names in priority order",
+        ) from exc
+
+
+def _as_member(candidate: object) -> AttentionBackendEnum:
+    member = parse_backend_name(candidate)
+    if member is None:
+        raise InvalidInputError(
+            "candidate policy", f"returned {candidate!r}, not a backend", hint="return members"
+        )
+    return member
+
+
+def _copy(selection: Selection) -> Selection:
+    """A copy whose ``rejected`` the caller may change without touching the cache."""
+    rejected = {member: list(reasons) for member, reasons in selection.rejected.items()}
+    return dataclasses.replace(selection, rejected=rejected)
+
+
 def _check(
     container: BackendContainer,
     member: AttentionBackendEnum,
@@ -373,14 +441,15 @@ def _check(
     try:
         backend_cls = container.backend(member)
     except AttnDIError as exc:
-        return None, [f"cannot be used here: {exc.message()}"]
+        return None, [f"{_IMPORT_FAILURE}: {exc.message()}"]
     validate: Callable[..., Sequence[str]] | None = getattr(
         backend_cls, "validate_configuration", None
     )
     if validate is None:
         return None, ["the class has no validate_configuration()"]
     try:
-        reasons = [str(reason) for reason in validate(**config.validation_kwargs(device))]
+        found = validate(**config.validation_kwargs(device))
+        reasons = [found] if isinstance(found, str) else [str(reason) for reason in found]
     except Exception as exc:  # a broken backend is a rejection, not a crash of selection
         return None, [f"validate_configuration raised {type(exc).__name__}: {exc}"]
     return (None, reasons) if reasons else (backend_cls, [])
