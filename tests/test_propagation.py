@@ -208,3 +208,30 @@ def test_applying_a_snapshot_twice_is_harmless(new_name: Callable[[], str]) -> N
     apply_snapshot(snapshot)
     assert AttentionBackendEnum[runtime_name].get_class().__name__ == "Counter"
     assert CUSTOM.get_class().__name__ == "OrderedDict"
+
+
+def test_handles_restore_in_any_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out-of-order restores leave the newest active snapshot, then the original value."""
+    from attn_di import AttentionBackendEnum, propagate_registrations, register_backend
+
+    monkeypatch.setenv("ATTN_DI_REGISTRATIONS", "{}")
+    register_backend(AttentionBackendEnum.CUSTOM, "collections.OrderedDict")
+    first = propagate_registrations()
+    register_backend(AttentionBackendEnum.CUSTOM, "collections.Counter")
+    second = propagate_registrations()
+    first.restore()
+    assert os.environ["ATTN_DI_REGISTRATIONS"] == second.environ["ATTN_DI_REGISTRATIONS"]
+    second.restore()
+    assert os.environ["ATTN_DI_REGISTRATIONS"] == "{}"
+
+
+def test_ray_runtime_env_refuses_main_module_classes_and_bad_arguments() -> None:
+    """A __main__ class cannot reach Ray workers; a non-mapping runtime_env is a TypeError."""
+    from attn_di import AttentionBackendEnum, ray_runtime_env, register_backend
+    from attn_di.exceptions import InvalidBackendTypeError, UnexportableBackendError
+
+    with pytest.raises(InvalidBackendTypeError, match="runtime_env must be a mapping"):
+        ray_runtime_env("notadict")  # type: ignore[arg-type]
+    register_backend(AttentionBackendEnum.CUSTOM, "__main__.DriverBackend")
+    with pytest.raises(UnexportableBackendError, match="__main__ module, which Ray workers"):
+        ray_runtime_env()

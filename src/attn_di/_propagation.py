@@ -36,7 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 from attn_di._container import BackendContainer
 from attn_di._default import get_container
-from attn_di.exceptions import AttnDIError, RegistrationsEnvError
+from attn_di.exceptions import (
+    AttnDIError,
+    InvalidBackendTypeError,
+    RegistrationsEnvError,
+    UnexportableBackendError,
+)
 
 if TYPE_CHECKING:
     from typing import Self
@@ -97,9 +102,23 @@ def ray_runtime_env(
         container: whose registrations to export; the default container if None.
 
     Raises:
-        UnexportableBackendError: a registered class with no importable path.
+        UnexportableBackendError: a registered class with no importable path, or one defined
+            in the driver script (``__main__``), which Ray workers cannot import.
+        InvalidBackendTypeError: ``runtime_env`` is not a mapping.
     """
+    if runtime_env is not None and not isinstance(runtime_env, Mapping):
+        raise InvalidBackendTypeError(
+            "runtime_env", runtime_env, "a mapping (a Ray runtime_env dict) or None"
+        )
     snapshot = (container if container is not None else get_container()).export_registrations()
+    for name, class_path in snapshot.items():
+        if class_path.startswith(("__main__.", "__main__:", "__mp_main__.")):
+            raise UnexportableBackendError(
+                name,
+                class_path,
+                "lives in the driver's __main__ module, which Ray workers do not import "
+                "(spawn children re-import it, Ray does not)",
+            )
     extended = dict(runtime_env or {})
     env_vars = dict(extended.get("env_vars") or {})
     env_vars[REGISTRATIONS_ENV] = encode_snapshot(snapshot)
@@ -108,6 +127,11 @@ def ray_runtime_env(
         env_vars[PLUGINS_ENV] = allowlist
     extended["env_vars"] = env_vars
     return extended
+
+
+# Handles whose snapshot is in os.environ, oldest first, and the value before the first one.
+_active_handles: list[PropagatedRegistrations] = []
+_baseline: list[str | None] = [None]
 
 
 class PropagatedRegistrations:
@@ -129,7 +153,6 @@ class PropagatedRegistrations:
         self.environ = {REGISTRATIONS_ENV: encode_snapshot(snapshot)}
         self.initializer = apply_snapshot
         self.initargs = (snapshot,)
-        self._previous: str | None = None
         self._active = False
 
     @property
@@ -139,19 +162,26 @@ class PropagatedRegistrations:
 
     def apply(self) -> None:
         """Write the variable (done by :func:`propagate_registrations`)."""
-        self._previous = os.environ.get(REGISTRATIONS_ENV)
+        if not _active_handles:
+            _baseline[0] = os.environ.get(REGISTRATIONS_ENV)
+        _active_handles.append(self)
         os.environ.update(self.environ)
         self._active = True
 
     def restore(self) -> None:
-        """Put back the variable's previous value (or unset it). No-op if already restored."""
+        """Remove this snapshot: the variable then holds the newest handle still active, or the
+        value it had before the first one (unset if none). Any restore order works; no-op if
+        already restored."""
         if not self._active:
             return
         self._active = False
-        if self._previous is None:
+        _active_handles.remove(self)
+        if _active_handles:
+            os.environ.update(_active_handles[-1].environ)
+        elif _baseline[0] is None:
             os.environ.pop(REGISTRATIONS_ENV, None)
         else:
-            os.environ[REGISTRATIONS_ENV] = self._previous
+            os.environ[REGISTRATIONS_ENV] = _baseline[0]
 
     def __enter__(self) -> Self:
         return self
