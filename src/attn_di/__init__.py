@@ -44,21 +44,15 @@ __all__ = [
     "use_container",
 ]
 
+import os as _os
+from typing import TYPE_CHECKING, Any
+
 from attn_di._container import BackendContainer
 from attn_di._default import get_container, register_backend, use_container
 from attn_di._deprecated import DeprecatedBackendAlias
 from attn_di._enum import AttentionBackendEnum, parse_backend_name
 from attn_di._overrides import BackendOverride
-from attn_di._plugins import PluginRecord, PluginReport, load_plugins, plugin_report
-from attn_di._propagation import (
-    PropagatedRegistrations,
-    apply_inherited_registrations,
-    propagate_registrations,
-    ray_runtime_env,
-)
 from attn_di._provider import BackendProvider
-from attn_di._selection import AttentionSelectorConfig, Selection, force_backend, select_backend
-from attn_di._testing import OverrideBackendFixture
 from attn_di.exceptions import (
     AttnDIError,
     BackendImportError,
@@ -73,22 +67,58 @@ from attn_di.exceptions import (
     UnknownBackendError,
 )
 
+if TYPE_CHECKING:
+    from attn_di._plugins import PluginRecord, PluginReport, load_plugins, plugin_report
+    from attn_di._propagation import (
+        PropagatedRegistrations,
+        propagate_registrations,
+        ray_runtime_env,
+    )
+    from attn_di._selection import AttentionSelectorConfig, Selection, force_backend, select_backend
+    from attn_di._testing import OverrideBackendFixture
+
+# Imported on first use (PEP 562), so that `import attn_di` stays light.
+_LAZY = {
+    "AttentionSelectorConfig": "attn_di._selection",
+    "Selection": "attn_di._selection",
+    "force_backend": "attn_di._selection",
+    "select_backend": "attn_di._selection",
+    "PluginRecord": "attn_di._plugins",
+    "PluginReport": "attn_di._plugins",
+    "load_plugins": "attn_di._plugins",
+    "plugin_report": "attn_di._plugins",
+    "PropagatedRegistrations": "attn_di._propagation",
+    "propagate_registrations": "attn_di._propagation",
+    "ray_runtime_env": "attn_di._propagation",
+    "OverrideBackendFixture": "attn_di._testing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'attn_di' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    if isinstance(value, type):
+        value.__module__ = "attn_di"
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 _Backend = DeprecatedBackendAlias
 """Deprecated alias of :class:`AttentionBackendEnum` (vLLM's old name); warns on use."""
 
-for _exported in (
-    AttentionBackendEnum,
-    AttentionSelectorConfig,
-    BackendContainer,
-    BackendOverride,
-    BackendProvider,
-    OverrideBackendFixture,
-    PluginRecord,
-    PluginReport,
-    PropagatedRegistrations,
-    Selection,
-):
+for _exported in (AttentionBackendEnum, BackendContainer, BackendOverride, BackendProvider):
     _exported.__module__ = "attn_di"
 del _exported
 
-apply_inherited_registrations()  # no-op unless ATTN_DI_REGISTRATIONS is set (worker processes)
+if _os.environ.get("ATTN_DI_REGISTRATIONS") is not None:  # a worker process: apply the parent's
+    from attn_di._propagation import apply_inherited_registrations
+
+    apply_inherited_registrations()

@@ -23,7 +23,6 @@ from attn_di._enum import (
 from attn_di._overrides import BackendOverride, ContainerOverride, override_target
 from attn_di._paths import check_class_path, resolves_to
 from attn_di._provider import LOCAL_LAYERS, STATE_LOCK, BackendProvider, Layer, Target
-from attn_di._selection import default_candidates, select_from_settings
 from attn_di.exceptions import (
     InvalidBackendNameError,
     InvalidBackendTypeError,
@@ -319,6 +318,20 @@ class _BackendContainerInstance(_ContainerAPI, containers.DynamicContainer):  # 
             value.attach(self._resolved)
 
 
+def _default_candidates(device: Any, config: Any) -> Any:
+    """attn_di's candidate policy (:func:`attn_di._selection.default_candidates`), loaded lazily."""
+    from attn_di._selection import default_candidates
+
+    return default_candidates(device, config)
+
+
+def _select_from_settings(container: Any, settings: Any) -> Any:
+    """The ``selection`` provider's callable (:func:`attn_di._selection.select_from_settings`)."""
+    from attn_di._selection import select_from_settings
+
+    return select_from_settings(container, settings)
+
+
 if TYPE_CHECKING:
     _DeclarativeMeta = type
 
@@ -384,9 +397,9 @@ class BackendContainer(_DeclarativeBase, metaclass=_BackendContainerMeta):
     __self__ = providers.Self()
     attention = providers.Configuration()
     """Selection inputs: the AttentionSelectorConfig fields, plus ``device`` and ``backend``."""
-    candidates = providers.Callable(default_candidates)
+    candidates = providers.Callable(_default_candidates)
     """The candidate policy ``(device, config) -> [members]``; override to inject your own."""
-    selection = providers.Callable(select_from_settings, __self__, attention)
+    selection = providers.Callable(_select_from_settings, __self__, attention)
     """The :class:`Selection` for the ``attention`` settings."""
     selected = selection.provided.backend_cls
     """The selected backend class: ``Provide[BackendContainer.selected]``."""
