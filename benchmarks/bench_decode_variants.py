@@ -138,28 +138,37 @@ def floor(k: torch.Tensor, v: torch.Tensor, s: object) -> tuple[torch.Tensor, to
 class ImplCall:
     """CPU_ATTN's forward with a given decode chunk size, or with the decode path off."""
 
-    def __init__(self, impl: Any, args: tuple[Any, ...], chunk_bytes: int, fast: bool) -> None:
+    def __init__(
+        self, impl: Any, args: tuple[Any, ...], chunk_bytes: int, fast: bool, min_keys: int = 64
+    ) -> None:
         self.impl, self.args, self.chunk_bytes, self.fast = impl, args, chunk_bytes, fast
+        self.min_keys = min_keys
 
     def __call__(self, s: object) -> torch.Tensor:
         from attn_di.backends import cpu_attn
 
-        saved = cpu_attn._DECODE_CHUNK_BYTES, cpu_attn._is_pure_decode
+        saved = cpu_attn._DECODE_CHUNK_BYTES, cpu_attn._is_pure_decode, cpu_attn._DECODE_MIN_KEYS
         cpu_attn._DECODE_CHUNK_BYTES = self.chunk_bytes
+        cpu_attn._DECODE_MIN_KEYS = self.min_keys
         if not self.fast:
             cpu_attn._is_pure_decode = lambda *a: False
         try:
             out: torch.Tensor = self.impl.forward(None, *self.args)
             return out
         finally:
-            cpu_attn._DECODE_CHUNK_BYTES, cpu_attn._is_pure_decode = saved
+            cpu_attn._DECODE_CHUNK_BYTES, cpu_attn._is_pure_decode, cpu_attn._DECODE_MIN_KEYS = (
+                saved
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--only", default="")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()} load {os.getloadavg()[0]:.2f}")
     from attn_di.backend import AttentionMetadataBuilder
     from attn_di.backends.cpu_attn import CPUAttentionImpl
@@ -184,10 +193,11 @@ def main() -> None:
             "floor": functools.partial(floor, kcont, vcont),
             "impl general path": ImplCall(impl, (q, knew, vnew, cache, md, outbuf), 0, False),
         }
-        for kib in (512, 1024, 2048, 4096, 8192):
-            variants[f"impl decode {kib} KiB"] = ImplCall(
-                impl, (q, knew, vnew, cache, md, outbuf), kib << 10, True
-            )
+        for kib in (2048, 4096, 8192):
+            for keys in (64, 256):
+                variants[f"impl decode {kib} KiB {keys} keys"] = ImplCall(
+                    impl, (q, knew, vnew, cache, md, outbuf), kib << 10, True, keys
+                )
         for spc, bpc in ((8, 4), (4, 8), (2, 16)):
             variants[f"flash s{spc} b{bpc}"] = flash_chunks(spc, bpc, dtype)
         if args.only:

@@ -143,8 +143,7 @@ class CPUAttentionImpl(AttentionImpl):
         col = torch.arange(table_cols, device=device)
         table = torch.where(col[None, :] < needed[:, None], table, 0)  # unused entries: block 0
         block_numel = block_size * kv_heads * size
-        block_bytes = block_numel * kv_cache.element_size()
-        group, cols = _decode_chunk(seqs, table_cols, block_bytes)
+        group, cols = _decode_chunk(seqs, table_cols, block_size, 4 * block_numel)
         # Keys and values in one gather: rows [0, n) of the cache view are key blocks,
         # rows [n, 2n) value blocks.
         kv_rows = kv_cache.view(2 * num_blocks, block_numel)
@@ -365,16 +364,26 @@ def _is_pure_decode(
     return int(starts[-1]) == seqs and bool((starts[1:] - starts[:-1] == 1).all())
 
 
-# Bytes of keys gathered per decode chunk (and as many of values): small enough that the
-# copy is still in cache when the kernel reads it, large enough to keep the op count low.
-_DECODE_CHUNK_BYTES = 2 << 20
+# Bytes of keys per decode chunk, counted as float32 (so half that in bf16/fp16 caches),
+# plus as many of values: small enough that the copy is still in cache when the kernel
+# reads it, large enough to keep the op count low (each op is a parallel region).
+# Tuned on the 2-core benchmark machine (docs/benchmarks-backends.md).
+_DECODE_CHUNK_BYTES = 4 << 20
+# Keys per sequence per chunk, at least: fewer, longer rows per kernel call.
+_DECODE_MIN_KEYS = 256
 
 
-def _decode_chunk(seqs: int, table_cols: int, block_bytes: int) -> tuple[int, int]:
-    """``(sequences, block columns)`` per decode chunk, about :data:`_DECODE_CHUNK_BYTES`."""
+def _decode_chunk(seqs: int, table_cols: int, block_size: int, block_bytes: int) -> tuple[int, int]:
+    """``(sequences, block columns)`` per decode chunk, about :data:`_DECODE_CHUNK_BYTES`.
+
+    ``block_bytes`` is the size of one block of keys in float32.
+
+    Each sequence contributes at least :data:`_DECODE_MIN_KEYS` keys to a chunk (fewer,
+    longer rows per kernel call); the rest of the budget goes to more sequences.
+    """
     blocks = max(1, _DECODE_CHUNK_BYTES // block_bytes)
-    group = min(seqs, blocks)
-    cols = max(1, min(table_cols, blocks // group))
+    cols = min(table_cols, max(1, -(-_DECODE_MIN_KEYS // block_size), blocks // seqs))
+    group = max(1, min(seqs, blocks // cols))
     return group, cols
 
 
