@@ -136,7 +136,7 @@ class CPUAttentionImpl(AttentionImpl):
         num_blocks, block_size = int(kv_cache.shape[1]), int(kv_cache.shape[2])
         dtype, device = query.dtype, query.device
         seq_lens = metadata.seq_lens.to(device=device, dtype=torch.long)
-        max_len = int(metadata.max_seq_len)
+        max_len = int(seq_lens.max())
         table_cols = -(-max_len // block_size)
         table = metadata.block_table[:, :table_cols].to(device=device, dtype=torch.long)
         needed = -(-seq_lens // block_size)
@@ -149,7 +149,7 @@ class CPUAttentionImpl(AttentionImpl):
         kv_rows = kv_cache.view(2 * num_blocks, block_numel)
         kv_table = torch.stack((table, table + num_blocks))  # [2, B, cols]
         buffer = self._workspace.get("decode_kv", 2 * group * cols * block_numel, dtype, device)
-        queries = query[:seqs].view(seqs, kv_heads, per_kv, size)
+        queries = query[:seqs].reshape(seqs, kv_heads, per_kv, size)
         ragged = bool((seq_lens != needed * block_size).any()) or bool((needed != table_cols).any())
         key_pos = torch.arange(table_cols * block_size, device=device)
         blocked = torch.finfo(dtype).min
