@@ -2,9 +2,12 @@
 
 ``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017) over each sequence's keys,
 gathered from the paged cache in cache-sized chunks whose results are merged exactly
-(online softmax / log-sum-exp). Two paths:
+(online softmax / log-sum-exp). Three paths:
 
-* without soft cap or ALiBi, and without autograd, on CPU: torch's fused CPU flash kernel
+* pure decode (one query per sequence, no window, no soft cap or ALiBi, no autograd, on
+  CPU): whole cache blocks gathered per chunk straight into the fused CPU flash kernel,
+  chunks merged once at the end (:meth:`CPUAttentionImpl._decode_flash`);
+* otherwise without soft cap or ALiBi, and without autograd, on CPU: torch's fused CPU flash kernel
   (``aten._scaled_dot_product_flash_attention_for_cpu``) with GQA folded into the query
   axis; sinks are applied from its log-sum-exp;
 * otherwise: two float32 batched matmuls per chunk with the soft cap, ALiBi bias, mask and
