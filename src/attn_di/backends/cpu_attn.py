@@ -2,9 +2,12 @@
 
 ``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017) over each sequence's keys,
 gathered from the paged cache in cache-sized chunks whose results are merged exactly
-(online softmax / log-sum-exp). Two paths:
+(online softmax / log-sum-exp). Three paths:
 
-* without soft cap or ALiBi, and without autograd, on CPU: torch's fused CPU flash kernel
+* pure decode (one query per sequence, no window, no soft cap or ALiBi, no autograd, on
+  CPU): whole cache blocks gathered per chunk straight into the fused CPU flash kernel,
+  chunks merged once at the end (:meth:`CPUAttentionImpl._decode_flash`);
+* otherwise without soft cap or ALiBi, and without autograd, on CPU: torch's fused CPU flash kernel
   (``aten._scaled_dot_product_flash_attention_for_cpu``) with GQA folded into the query
   axis; sinks are applied from its log-sum-exp;
 * otherwise: two float32 batched matmuls per chunk with the soft cap, ALiBi bias, mask and
@@ -103,12 +106,103 @@ class CPUAttentionImpl(AttentionImpl):
         else:
             key_src, value_src, block_size = key, value, 1
         rows = result.view(-1, self.num_heads, self.head_size)
+        if uses_cache(self) and _is_pure_decode(self, query, kv_cache, attn_metadata):
+            self._decode_flash(query, kv_cache, attn_metadata, rows)
+            return result
         for group in BatchPlan(self, attn_metadata, block_size).groups():
             attended = self._attend(query, key_src, value_src, group)
             rows[group.query_index[group.query_valid]] = attended[group.query_valid].to(
                 result.dtype
             )
         return result
+
+    def _decode_flash(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> None:
+        """Pure decode (one query per sequence) straight from the block table into ``rows``.
+
+        Whole cache blocks (one contiguous row of ``block_size * H_kv * D`` values each) are
+        gathered with ``index_select`` into two small reused buffers, sized to stay in the
+        core's L2/L3 cache (:data:`_DECODE_CHUNK_BYTES`), and handed at once to torch's CPU
+        flash kernel with GQA folded (``[b, H_kv, g, D]`` queries), so the kernel reads the
+        copy from cache rather than from memory. A chunk is ``s`` sequences by ``c`` block
+        columns of the block table; keys past a sequence's length are masked. The chunks'
+        results are merged once at the end through their log-sum-exps (softmax over the
+        chunk axis), and sinks scale the result by ``sigmoid(lse - sink)``.
+        """
+        kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
+        seqs = int(metadata.seq_lens.shape[0])
+        num_blocks, block_size = int(kv_cache.shape[1]), int(kv_cache.shape[2])
+        dtype, device = query.dtype, query.device
+        seq_lens = metadata.seq_lens.to(device=device, dtype=torch.long)
+        max_len = int(seq_lens.max())
+        table_cols = -(-max_len // block_size)
+        table = metadata.block_table[:, :table_cols].to(device=device, dtype=torch.long)
+        needed = -(-seq_lens // block_size)
+        col = torch.arange(table_cols, device=device)
+        table = torch.where(col[None, :] < needed[:, None], table, 0)  # unused entries: block 0
+        block_numel = block_size * kv_heads * size
+        group, cols = _decode_chunk(seqs, table_cols, block_size, 4 * block_numel)
+        # Keys and values in one gather: rows [0, n) of the cache view are key blocks,
+        # rows [n, 2n) value blocks.
+        kv_rows = kv_cache.view(2 * num_blocks, block_numel)
+        kv_table = torch.stack((table, table + num_blocks))  # [2, B, cols]
+        buffer = self._workspace.get("decode_kv", 2 * group * cols * block_numel, dtype, device)
+        queries = query[:seqs].reshape(seqs, kv_heads, per_kv, size)
+        ragged = bool((seq_lens != needed * block_size).any()) or bool((needed != table_cols).any())
+        key_pos = torch.arange(table_cols * block_size, device=device)
+        blocked = torch.finfo(dtype).min
+        outs: list[torch.Tensor] = []
+        lses: list[torch.Tensor] = []
+        for first in range(0, seqs, group):
+            last = min(seqs, first + group)
+            group_outs: list[torch.Tensor] = []
+            group_lses: list[torch.Tensor] = []
+            for start in range(0, table_cols, cols):
+                stop = min(table_cols, start + cols)
+                index = kv_table[:, first:last, start:stop].reshape(-1)
+                gathered = buffer[: index.numel() * block_numel].view(-1, block_numel)
+                torch.index_select(kv_rows, 0, index, out=gathered)
+                keys, values = gathered.view(2, -1)
+                width = (stop - start) * block_size
+                shape = (last - first, width, kv_heads, size)
+                mask = None
+                if ragged:
+                    valid = key_pos[start * block_size : stop * block_size]
+                    valid = valid[None, :] < seq_lens[first:last, None]
+                    mask = torch.where(valid, 0.0, blocked).to(dtype)
+                    mask = mask[:, None, None, :].expand(-1, 1, per_kv, -1)
+                out, lse = _FLASH_FOR_CPU(
+                    queries[first:last],
+                    keys.view(shape).transpose(1, 2),
+                    values.view(shape).transpose(1, 2),
+                    attn_mask=mask,
+                    scale=self.scale,
+                )
+                group_outs.append(out)
+                group_lses.append(lse)
+            outs.append(torch.stack(group_outs))
+            lses.append(torch.stack(group_lses))
+        out_all = torch.cat(outs, 1).float()  # [chunks, B, H_kv, g, D]
+        lse_all = torch.cat(lses, 1).float()  # [chunks, B, H_kv, g]
+        if len(group_outs) == 1:
+            acc, lse = out_all[0], lse_all[0]
+        else:
+            lse = torch.logsumexp(lse_all, 0)
+            weights = torch.exp(lse_all - lse).unsqueeze(-1)
+            # A chunk a sequence does not reach has weight 0; its output may be garbage.
+            terms = out_all * weights
+            if ragged:
+                terms = torch.where(weights > 0, terms, 0.0)
+            acc = terms.sum(0)
+        if self.sinks is not None:
+            sinks = self.sinks.float().view(1, kv_heads, per_kv)
+            acc = acc * torch.sigmoid(lse - sinks).unsqueeze(-1)
+        rows[:seqs] = acc.view(seqs, self.num_heads, size).to(rows.dtype)
 
     def _attend(
         self,
@@ -248,6 +342,52 @@ def _use_flash_kernel(
         return False
     wants_grad = query.requires_grad or key_src.requires_grad or value_src.requires_grad
     return not (torch.is_grad_enabled() and wants_grad)
+
+
+def _is_pure_decode(
+    impl: CPUAttentionImpl,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> bool:
+    """Whether :meth:`CPUAttentionImpl._decode_flash` can run this call.
+
+    Every sequence has exactly one query token (its last position, so causality masks
+    nothing), there is no sliding window, the fused kernel is usable and the cache is in
+    the query's dtype.
+    """
+    seqs = int(metadata.seq_lens.shape[0])
+    if not seqs or metadata.max_query_len != 1 or metadata.num_actual_tokens != seqs:
+        return False
+    if impl.sliding_window is not None or kv_cache.dtype != query.dtype:
+        return False
+    if not _use_flash_kernel(impl, query, kv_cache, kv_cache):
+        return False
+    starts = metadata.query_start_loc
+    return int(starts[-1]) == seqs and bool((starts[1:] - starts[:-1] == 1).all())
+
+
+# Bytes of keys per decode chunk, counted as float32 (so half that in bf16/fp16 caches),
+# plus as many of values: small enough that the copy is still in cache when the kernel
+# reads it, large enough to keep the op count low (each op is a parallel region).
+# Tuned on the 2-core benchmark machine (docs/benchmarks-backends.md).
+_DECODE_CHUNK_BYTES = 4 << 20
+# Keys per sequence per chunk, at least: fewer, longer rows per kernel call.
+_DECODE_MIN_KEYS = 256
+
+
+def _decode_chunk(seqs: int, table_cols: int, block_size: int, block_bytes: int) -> tuple[int, int]:
+    """``(sequences, block columns)`` per decode chunk, about :data:`_DECODE_CHUNK_BYTES`.
+
+    ``block_bytes`` is the size of one block of keys in float32.
+
+    Each sequence contributes at least :data:`_DECODE_MIN_KEYS` keys to a chunk (fewer,
+    longer rows per kernel call); the rest of the budget goes to more sequences.
+    """
+    blocks = max(1, _DECODE_CHUNK_BYTES // block_bytes)
+    cols = min(table_cols, max(1, -(-_DECODE_MIN_KEYS // block_size), blocks // seqs))
+    group = max(1, min(seqs, blocks // cols))
+    return group, cols
 
 
 class _HeadMajorGather:
