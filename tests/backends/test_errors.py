@@ -7,7 +7,7 @@ import torch
 
 from attn_di.backend import AttentionBackend, AttentionMetadataBuilder
 from attn_di.backends.cpu_attn import CPUAttentionImpl
-from attn_di.exceptions import InvalidInputError
+from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
 from tests.backends.reference import Batch, Options, make_batch
 
 
@@ -158,3 +158,114 @@ def test_invalid_input_error_is_a_value_error() -> None:
     """Callers catching ValueError still catch bad inputs."""
     with pytest.raises(ValueError, match="num_heads"):
         CPUAttentionImpl(num_heads=0, head_size=64, scale=1.0)
+
+
+_BASE = {"num_heads": 4, "head_size": 64, "scale": 0.125}
+
+
+@pytest.mark.parametrize(
+    ("argument", "overrides"),
+    [
+        ("num_heads", {"num_heads": 8.0, "num_kv_heads": 2}),
+        ("num_heads", {"num_heads": "4"}),
+        ("num_heads", {"num_heads": True}),
+        ("num_heads", {"num_heads": None}),
+        ("num_heads", {"num_heads": -4}),
+        ("head_size", {"head_size": 64.0}),
+        ("head_size", {"head_size": 0}),
+        ("num_kv_heads", {"num_kv_heads": 2.0}),
+        ("num_kv_heads", {"num_kv_heads": False}),
+        ("scale", {"scale": None}),
+        ("scale", {"scale": "0.125"}),
+        ("scale", {"scale": float("nan")}),
+        ("scale", {"scale": float("inf")}),
+        ("sliding_window", {"sliding_window": 2.5}),
+        ("sliding_window", {"sliding_window": True}),
+        ("sliding_window", {"sliding_window": 0}),
+        ("logits_soft_cap", {"logits_soft_cap": float("nan")}),
+        ("logits_soft_cap", {"logits_soft_cap": -1.0}),
+        ("logits_soft_cap", {"logits_soft_cap": "30"}),
+        ("alibi_slopes", {"alibi_slopes": "abcd"}),
+        ("alibi_slopes", {"alibi_slopes": [1.0, 2.0, 3.0]}),
+        ("alibi_slopes", {"alibi_slopes": [[1.0, 2.0, 3.0, 4.0]]}),
+        ("alibi_slopes", {"alibi_slopes": torch.ones(4, 1)}),
+        ("alibi_slopes", {"alibi_slopes": [1.0, None, 3.0, 4.0]}),
+        ("alibi_slopes", {"alibi_slopes": [1.0, float("nan"), 3.0, 4.0]}),
+        ("sinks", {"sinks": [0.0] * 3}),
+        ("sinks", {"sinks": torch.zeros(4, 1)}),
+        ("sinks", {"sinks": ["a"] * 4}),
+        ("sinks", {"sinks": torch.ones(4, dtype=torch.bool)}),
+        ("sinks", {"sinks": 0.0}),
+        ("sinks", {"sinks": [0.0, 0.0, 0.0, float("nan")]}),
+    ],
+    ids=repr,
+)
+def test_constructor_refuses_bad_options(
+    backend_cls: type[AttentionBackend], argument: str, overrides: dict[str, object]
+) -> None:
+    """Bad sizes, scales and options are refused with the argument's name and a hint."""
+    impl_cls = backend_cls.get_impl_cls()
+    if argument == "logits_soft_cap" and not impl_cls.supports_logits_soft_cap:
+        pytest.skip(f"{backend_cls.get_name()} refuses any soft cap as unsupported")
+
+    with pytest.raises(InvalidInputError) as info:
+        impl_cls(**{**_BASE, **overrides})
+    assert info.value.argument == argument
+    assert info.value.hint
+
+
+def test_constructor_refuses_positional_float_heads(backend_cls: type[AttentionBackend]) -> None:
+    """``impl_cls(8.0, 32, 1.0, 2)`` used to be accepted and crash later in forward."""
+    with pytest.raises(InvalidInputError, match=r"num_heads: must be a positive int, got 8\.0"):
+        backend_cls.get_impl_cls()(8.0, 32, 1.0, 2)
+
+
+def test_constructor_accepts_index_like_and_sequences(backend_cls: type[AttentionBackend]) -> None:
+    """numpy ints count as ints; sinks/alibi_slopes may be lists; a +inf soft cap is off."""
+    np = pytest.importorskip("numpy")
+    impl_cls = backend_cls.get_impl_cls()
+    impl = impl_cls(
+        num_heads=np.int64(4),
+        head_size=np.int32(64),
+        scale=np.float32(0.125),
+        num_kv_heads=np.int64(2),
+        alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+        sliding_window=np.int64(8),
+        sinks=[0.0, 1.0, float("-inf"), 2.0],
+        logits_soft_cap=float("inf") if not impl_cls.supports_logits_soft_cap else 30.0,
+    )
+
+    assert (impl.num_heads, impl.head_size, impl.num_kv_heads) == (4, 64, 2)
+    assert type(impl.num_heads) is int
+    assert type(impl.sliding_window) is int
+    assert isinstance(impl.scale, float)
+    assert impl.alibi_slopes == [0.5, 0.25, 0.125, 0.0625]
+    assert isinstance(impl.sinks, torch.Tensor)
+    assert impl.sinks.dtype == torch.float32
+    assert impl.sinks.tolist() == [0.0, 1.0, float("-inf"), 2.0]
+
+
+@pytest.mark.parametrize("cap", [None, 0, 0.0, float("inf")])
+def test_soft_cap_off_values(cap: float | None) -> None:
+    """None, 0 and +inf all turn the soft cap off (c * tanh(s / c) -> s as c -> inf)."""
+    assert CPUAttentionImpl(**_BASE, logits_soft_cap=cap).logits_soft_cap is None
+
+
+@pytest.mark.parametrize(
+    ("options", "feature"),
+    [
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+        ({"attn_type": "encoder_decoder"}, "attention type encoder_decoder"),
+        ({"kv_sharing_target_layer_name": "layers.0.attn"}, "kv_sharing_target_layer_name"),
+    ],
+    ids=["fp8", "encoder_decoder", "kv_sharing"],
+)
+def test_unsupported_features_carry_a_hint(
+    backend_cls: type[AttentionBackend], options: dict[str, object], feature: str
+) -> None:
+    """Refused features say what to do instead."""
+    with pytest.raises(UnsupportedFeatureError) as info:
+        backend_cls.get_impl_cls()(**_BASE, **options)
+    assert info.value.feature == feature
+    assert info.value.hint
+    assert "Hint:" in str(info.value)
