@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -269,3 +271,107 @@ def test_unsupported_features_carry_a_hint(
     assert info.value.feature == feature
     assert info.value.hint
     assert "Hint:" in str(info.value)
+
+
+def _as_list(tensor: torch.Tensor) -> object:
+    return tensor.tolist()
+
+
+@pytest.mark.parametrize(
+    ("argument", "spoil"),
+    [
+        ("attn_metadata", lambda b: setattr(b, "metadata", None)),
+        ("attn_metadata", lambda b: setattr(b, "metadata", {"slot_mapping": [0]})),
+        ("query", lambda b: setattr(b, "query", _as_list(b.query))),
+        ("key", lambda b: setattr(b, "key", _as_list(b.key))),
+        ("value", lambda b: setattr(b, "value", _as_list(b.value))),
+        ("kv_cache", lambda b: setattr(b, "kv_cache", _as_list(b.kv_cache))),
+        ("num_actual_tokens", lambda b: setattr(b.metadata, "num_actual_tokens", 4.0)),
+        (
+            "slot_mapping",
+            lambda b: setattr(b.metadata, "slot_mapping", b.metadata.slot_mapping[:, None]),
+        ),
+        (
+            "slot_mapping",
+            lambda b: setattr(b.metadata, "slot_mapping", b.metadata.slot_mapping.float()),
+        ),
+        (
+            "slot_mapping",
+            lambda b: setattr(b.metadata, "slot_mapping", b.metadata.slot_mapping[:2]),
+        ),
+        ("slot_mapping", lambda b: setattr(b.metadata, "slot_mapping", [0, 1, 2, 3])),
+        (
+            "query_start_loc",
+            lambda b: setattr(b.metadata, "query_start_loc", b.metadata.query_start_loc.float()),
+        ),
+        (
+            "query_start_loc",
+            lambda b: setattr(b.metadata, "query_start_loc", b.metadata.query_start_loc[None]),
+        ),
+        ("seq_lens", lambda b: setattr(b.metadata, "seq_lens", b.metadata.seq_lens.double())),
+        ("seq_lens", lambda b: setattr(b.metadata, "seq_lens", b.metadata.seq_lens[:, None])),
+        (
+            "block_table",
+            lambda b: setattr(b.metadata, "block_table", b.metadata.block_table.float()),
+        ),
+        ("block_table", lambda b: setattr(b.metadata, "block_table", b.metadata.block_table[0])),
+        ("block_table", lambda b: b.metadata.block_table.__setitem__((1, 0), -1)),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_refused_forward_leaves_the_cache_unchanged(
+    backend_cls: type[AttentionBackend],
+    opts: Options,
+    batch: Batch,
+    argument: str,
+    spoil: Callable[[Batch], None],
+) -> None:
+    """Wrong types, dtypes and ranks are refused, naming the input, before the cache is written."""
+    cache = batch.kv_cache
+    before = cache.clone()
+    spoil(batch)
+
+    with pytest.raises(InvalidInputError) as info:
+        _forward(backend_cls, opts, batch)
+    assert info.value.argument == argument
+    assert info.value.hint
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda b: setattr(b, "key", torch.randn(4, 4, 64)),
+        lambda b: setattr(b, "query", torch.randn(4, 8, 64)),
+        lambda b: setattr(b, "value", b.value.half()),
+        lambda b: b.metadata.slot_mapping.__setitem__(0, 10_000),
+        lambda b: setattr(b.metadata, "block_table", b.metadata.block_table[:, :1]),
+        lambda b: b.metadata.block_table.__setitem__((1, 1), 10_000),
+        lambda b: setattr(b, "kv_cache", torch.zeros(2, 4, 16, 4, 64)),
+        lambda b: setattr(b.metadata, "query_start_loc", torch.tensor([1, 3, 4])),
+        lambda b: setattr(b.metadata, "seq_lens", torch.tensor([3, 0], dtype=torch.int32)),
+    ],
+    ids=[
+        "key",
+        "query",
+        "value",
+        "slot",
+        "short_table",
+        "block_number",
+        "kv_cache",
+        "qsl",
+        "seq_lens",
+    ],
+)
+def test_shape_and_index_errors_carry_a_hint(
+    backend_cls: type[AttentionBackend],
+    opts: Options,
+    batch: Batch,
+    spoil: Callable[[Batch], None],
+) -> None:
+    """The existing shape, dtype, slot and block-table refusals say what is expected."""
+    spoil(batch)
+
+    with pytest.raises(InvalidInputError) as info:
+        _forward(backend_cls, opts, batch)
+    assert info.value.hint
