@@ -375,3 +375,42 @@ def test_shape_and_index_errors_carry_a_hint(
     with pytest.raises(InvalidInputError) as info:
         _forward(backend_cls, opts, batch)
     assert info.value.hint
+
+
+@pytest.mark.parametrize(
+    ("argument", "args"),
+    [
+        ("query_lens", ([1.5], [2], [[0]])),
+        ("query_lens", ([True], [2], [[0]])),
+        ("query_lens", (["a"], [2], [[0]])),
+        ("seq_lens", ([1], [2.0], [[0]])),
+        ("block_table", ([1], [2], [[0.0]])),
+        ("block_table", ([1], [2], [[-1]])),
+        ("block_table", ([1, 1], [2, 20], [[0, 0], [1, -3]])),
+        ("block_table", ([1], [2], "x")),
+    ],
+    ids=repr,
+)
+def test_builder_refuses_non_integers_and_negative_blocks(
+    argument: str, args: tuple[object, object, object]
+) -> None:
+    """Fractional lengths are no longer truncated and negative block numbers give no slots."""
+    with pytest.raises(InvalidInputError) as info:
+        AttentionMetadataBuilder(block_size=16).build(*args)  # type: ignore[arg-type]
+    assert info.value.argument == argument
+    assert info.value.hint
+
+
+def test_builder_ignores_negative_padding_in_unused_columns() -> None:
+    """Block table columns past ceil(seq_len / block_size) may hold -1 padding."""
+    metadata = AttentionMetadataBuilder(block_size=16).build([1], [2], [[3, -1]])
+
+    assert metadata.slot_mapping.tolist() == [3 * 16 + 1]
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 16.0, True, "16"], ids=repr)
+def test_builder_refuses_bad_block_size(block_size: object) -> None:
+    """The builder's block size must be a positive int."""
+    with pytest.raises(InvalidInputError) as info:
+        AttentionMetadataBuilder(block_size=block_size)  # type: ignore[arg-type]
+    assert info.value.argument == "block_size"
