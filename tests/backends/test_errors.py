@@ -414,3 +414,35 @@ def test_builder_refuses_bad_block_size(block_size: object) -> None:
     with pytest.raises(InvalidInputError) as info:
         AttentionMetadataBuilder(block_size=block_size)  # type: ignore[arg-type]
     assert info.value.argument == "block_size"
+
+
+@pytest.mark.parametrize(
+    ("argument", "args"),
+    [
+        ("num_blocks", (-1, 16, 2, 64)),
+        ("block_size", (10, 0, 2, 64)),
+        ("num_kv_heads", (10, 16, 0, 64)),
+        ("head_size", (10, 16, 2, -64)),
+        ("block_size", (10, 16.0, 2, 64)),
+        ("num_blocks", (True, 16, 2, 64)),
+    ],
+    ids=repr,
+)
+def test_kv_cache_shape_refuses_bad_sizes(
+    backend_cls: type[AttentionBackend], argument: str, args: tuple[int, int, int, int]
+) -> None:
+    """Negative block counts and non-positive sizes no longer give nonsense shapes."""
+    with pytest.raises(InvalidInputError) as info:
+        backend_cls.get_kv_cache_shape(*args)
+    assert info.value.argument == argument
+    assert info.value.hint
+
+
+def test_kv_cache_shape_accepts_zero_blocks_and_index_likes(
+    backend_cls: type[AttentionBackend],
+) -> None:
+    """An empty cache (0 blocks) is fine, and numpy ints count as ints."""
+    np = pytest.importorskip("numpy")
+
+    assert backend_cls.get_kv_cache_shape(0, 16, 2, 64) == (2, 0, 16, 2, 64)
+    assert backend_cls.get_kv_cache_shape(np.int64(3), 16, 2, 64) == (2, 3, 16, 2, 64)
