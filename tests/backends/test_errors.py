@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from attn_di.backend import AttentionBackend, AttentionMetadataBuilder
 from attn_di.backends.cpu_attn import CPUAttentionImpl
-from attn_di.exceptions import InvalidInputError
+from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
 from tests.backends.reference import Batch, Options, make_batch
 
 
@@ -158,3 +160,289 @@ def test_invalid_input_error_is_a_value_error() -> None:
     """Callers catching ValueError still catch bad inputs."""
     with pytest.raises(ValueError, match="num_heads"):
         CPUAttentionImpl(num_heads=0, head_size=64, scale=1.0)
+
+
+_BASE = {"num_heads": 4, "head_size": 64, "scale": 0.125}
+
+
+@pytest.mark.parametrize(
+    ("argument", "overrides"),
+    [
+        ("num_heads", {"num_heads": 8.0, "num_kv_heads": 2}),
+        ("num_heads", {"num_heads": "4"}),
+        ("num_heads", {"num_heads": True}),
+        ("num_heads", {"num_heads": None}),
+        ("num_heads", {"num_heads": -4}),
+        ("head_size", {"head_size": 64.0}),
+        ("head_size", {"head_size": 0}),
+        ("num_kv_heads", {"num_kv_heads": 2.0}),
+        ("num_kv_heads", {"num_kv_heads": False}),
+        ("scale", {"scale": None}),
+        ("scale", {"scale": "0.125"}),
+        ("scale", {"scale": float("nan")}),
+        ("scale", {"scale": float("inf")}),
+        ("sliding_window", {"sliding_window": 2.5}),
+        ("sliding_window", {"sliding_window": True}),
+        ("sliding_window", {"sliding_window": 0}),
+        ("logits_soft_cap", {"logits_soft_cap": float("nan")}),
+        ("logits_soft_cap", {"logits_soft_cap": -1.0}),
+        ("logits_soft_cap", {"logits_soft_cap": "30"}),
+        ("alibi_slopes", {"alibi_slopes": "abcd"}),
+        ("alibi_slopes", {"alibi_slopes": [1.0, 2.0, 3.0]}),
+        ("alibi_slopes", {"alibi_slopes": [[1.0, 2.0, 3.0, 4.0]]}),
+        ("alibi_slopes", {"alibi_slopes": torch.ones(4, 1)}),
+        ("alibi_slopes", {"alibi_slopes": [1.0, None, 3.0, 4.0]}),
+        ("alibi_slopes", {"alibi_slopes": [1.0, float("nan"), 3.0, 4.0]}),
+        ("sinks", {"sinks": [0.0] * 3}),
+        ("sinks", {"sinks": torch.zeros(4, 1)}),
+        ("sinks", {"sinks": ["a"] * 4}),
+        ("sinks", {"sinks": torch.ones(4, dtype=torch.bool)}),
+        ("sinks", {"sinks": 0.0}),
+        ("sinks", {"sinks": [0.0, 0.0, 0.0, float("nan")]}),
+    ],
+    ids=repr,
+)
+def test_constructor_refuses_bad_options(
+    backend_cls: type[AttentionBackend], argument: str, overrides: dict[str, object]
+) -> None:
+    """Bad sizes, scales and options are refused with the argument's name and a hint."""
+    impl_cls = backend_cls.get_impl_cls()
+    if argument == "logits_soft_cap" and not impl_cls.supports_logits_soft_cap:
+        pytest.skip(f"{backend_cls.get_name()} refuses any soft cap as unsupported")
+
+    with pytest.raises(InvalidInputError) as info:
+        impl_cls(**{**_BASE, **overrides})
+    assert info.value.argument == argument
+    assert info.value.hint
+
+
+def test_constructor_refuses_positional_float_heads(backend_cls: type[AttentionBackend]) -> None:
+    """``impl_cls(8.0, 32, 1.0, 2)`` used to be accepted and crash later in forward."""
+    with pytest.raises(InvalidInputError, match=r"num_heads: must be a positive int, got 8\.0"):
+        backend_cls.get_impl_cls()(8.0, 32, 1.0, 2)
+
+
+def test_constructor_accepts_index_like_and_sequences(backend_cls: type[AttentionBackend]) -> None:
+    """numpy ints count as ints; sinks/alibi_slopes may be lists; a +inf soft cap is off."""
+    np = pytest.importorskip("numpy")
+    impl_cls = backend_cls.get_impl_cls()
+    impl = impl_cls(
+        num_heads=np.int64(4),
+        head_size=np.int32(64),
+        scale=np.float32(0.125),
+        num_kv_heads=np.int64(2),
+        alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+        sliding_window=np.int64(8),
+        sinks=[0.0, 1.0, float("-inf"), 2.0],
+        logits_soft_cap=float("inf") if not impl_cls.supports_logits_soft_cap else 30.0,
+    )
+
+    assert (impl.num_heads, impl.head_size, impl.num_kv_heads) == (4, 64, 2)
+    assert type(impl.num_heads) is int
+    assert type(impl.sliding_window) is int
+    assert isinstance(impl.scale, float)
+    assert impl.alibi_slopes == [0.5, 0.25, 0.125, 0.0625]
+    assert isinstance(impl.sinks, torch.Tensor)
+    assert impl.sinks.dtype == torch.float32
+    assert impl.sinks.tolist() == [0.0, 1.0, float("-inf"), 2.0]
+
+
+@pytest.mark.parametrize("cap", [None, 0, 0.0, float("inf")])
+def test_soft_cap_off_values(cap: float | None) -> None:
+    """None, 0 and +inf all turn the soft cap off (c * tanh(s / c) -> s as c -> inf)."""
+    assert CPUAttentionImpl(**_BASE, logits_soft_cap=cap).logits_soft_cap is None
+
+
+@pytest.mark.parametrize(
+    ("options", "feature"),
+    [
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+        ({"attn_type": "encoder_decoder"}, "attention type encoder_decoder"),
+        ({"kv_sharing_target_layer_name": "layers.0.attn"}, "kv_sharing_target_layer_name"),
+    ],
+    ids=["fp8", "encoder_decoder", "kv_sharing"],
+)
+def test_unsupported_features_carry_a_hint(
+    backend_cls: type[AttentionBackend], options: dict[str, object], feature: str
+) -> None:
+    """Refused features say what to do instead."""
+    with pytest.raises(UnsupportedFeatureError) as info:
+        backend_cls.get_impl_cls()(**_BASE, **options)
+    assert info.value.feature == feature
+    assert info.value.hint
+    assert "Hint:" in str(info.value)
+
+
+def _as_list(tensor: torch.Tensor) -> object:
+    return tensor.tolist()
+
+
+@pytest.mark.parametrize(
+    ("argument", "spoil"),
+    [
+        ("attn_metadata", lambda b: setattr(b, "metadata", None)),
+        ("attn_metadata", lambda b: setattr(b, "metadata", {"slot_mapping": [0]})),
+        ("query", lambda b: setattr(b, "query", _as_list(b.query))),
+        ("key", lambda b: setattr(b, "key", _as_list(b.key))),
+        ("value", lambda b: setattr(b, "value", _as_list(b.value))),
+        ("kv_cache", lambda b: setattr(b, "kv_cache", _as_list(b.kv_cache))),
+        ("num_actual_tokens", lambda b: setattr(b.metadata, "num_actual_tokens", 4.0)),
+        (
+            "slot_mapping",
+            lambda b: setattr(b.metadata, "slot_mapping", b.metadata.slot_mapping[:, None]),
+        ),
+        (
+            "slot_mapping",
+            lambda b: setattr(b.metadata, "slot_mapping", b.metadata.slot_mapping.float()),
+        ),
+        (
+            "slot_mapping",
+            lambda b: setattr(b.metadata, "slot_mapping", b.metadata.slot_mapping[:2]),
+        ),
+        ("slot_mapping", lambda b: setattr(b.metadata, "slot_mapping", [0, 1, 2, 3])),
+        (
+            "query_start_loc",
+            lambda b: setattr(b.metadata, "query_start_loc", b.metadata.query_start_loc.float()),
+        ),
+        (
+            "query_start_loc",
+            lambda b: setattr(b.metadata, "query_start_loc", b.metadata.query_start_loc[None]),
+        ),
+        ("seq_lens", lambda b: setattr(b.metadata, "seq_lens", b.metadata.seq_lens.double())),
+        ("seq_lens", lambda b: setattr(b.metadata, "seq_lens", b.metadata.seq_lens[:, None])),
+        (
+            "block_table",
+            lambda b: setattr(b.metadata, "block_table", b.metadata.block_table.float()),
+        ),
+        ("block_table", lambda b: setattr(b.metadata, "block_table", b.metadata.block_table[0])),
+        ("block_table", lambda b: b.metadata.block_table.__setitem__((1, 0), -1)),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_refused_forward_leaves_the_cache_unchanged(
+    backend_cls: type[AttentionBackend],
+    opts: Options,
+    batch: Batch,
+    argument: str,
+    spoil: Callable[[Batch], None],
+) -> None:
+    """Wrong types, dtypes and ranks are refused, naming the input, before the cache is written."""
+    cache = batch.kv_cache
+    before = cache.clone()
+    spoil(batch)
+
+    with pytest.raises(InvalidInputError) as info:
+        _forward(backend_cls, opts, batch)
+    assert info.value.argument == argument
+    assert info.value.hint
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda b: setattr(b, "key", torch.randn(4, 4, 64)),
+        lambda b: setattr(b, "query", torch.randn(4, 8, 64)),
+        lambda b: setattr(b, "value", b.value.half()),
+        lambda b: b.metadata.slot_mapping.__setitem__(0, 10_000),
+        lambda b: setattr(b.metadata, "block_table", b.metadata.block_table[:, :1]),
+        lambda b: b.metadata.block_table.__setitem__((1, 1), 10_000),
+        lambda b: setattr(b, "kv_cache", torch.zeros(2, 4, 16, 4, 64)),
+        lambda b: setattr(b.metadata, "query_start_loc", torch.tensor([1, 3, 4])),
+        lambda b: setattr(b.metadata, "seq_lens", torch.tensor([3, 0], dtype=torch.int32)),
+    ],
+    ids=[
+        "key",
+        "query",
+        "value",
+        "slot",
+        "short_table",
+        "block_number",
+        "kv_cache",
+        "qsl",
+        "seq_lens",
+    ],
+)
+def test_shape_and_index_errors_carry_a_hint(
+    backend_cls: type[AttentionBackend],
+    opts: Options,
+    batch: Batch,
+    spoil: Callable[[Batch], None],
+) -> None:
+    """The existing shape, dtype, slot and block-table refusals say what is expected."""
+    spoil(batch)
+
+    with pytest.raises(InvalidInputError) as info:
+        _forward(backend_cls, opts, batch)
+    assert info.value.hint
+
+
+@pytest.mark.parametrize(
+    ("argument", "args"),
+    [
+        ("query_lens", ([1.5], [2], [[0]])),
+        ("query_lens", ([True], [2], [[0]])),
+        ("query_lens", (["a"], [2], [[0]])),
+        ("seq_lens", ([1], [2.0], [[0]])),
+        ("block_table", ([1], [2], [[0.0]])),
+        ("block_table", ([1], [2], [[-1]])),
+        ("block_table", ([1, 1], [2, 20], [[0, 0], [1, -3]])),
+        ("block_table", ([1], [2], "x")),
+    ],
+    ids=repr,
+)
+def test_builder_refuses_non_integers_and_negative_blocks(
+    argument: str, args: tuple[object, object, object]
+) -> None:
+    """Fractional lengths are no longer truncated and negative block numbers give no slots."""
+    with pytest.raises(InvalidInputError) as info:
+        AttentionMetadataBuilder(block_size=16).build(*args)  # type: ignore[arg-type]
+    assert info.value.argument == argument
+    assert info.value.hint
+
+
+def test_builder_ignores_negative_padding_in_unused_columns() -> None:
+    """Block table columns past ceil(seq_len / block_size) may hold -1 padding."""
+    metadata = AttentionMetadataBuilder(block_size=16).build([1], [2], [[3, -1]])
+
+    assert metadata.slot_mapping.tolist() == [3 * 16 + 1]
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 16.0, True, "16"], ids=repr)
+def test_builder_refuses_bad_block_size(block_size: object) -> None:
+    """The builder's block size must be a positive int."""
+    with pytest.raises(InvalidInputError) as info:
+        AttentionMetadataBuilder(block_size=block_size)  # type: ignore[arg-type]
+    assert info.value.argument == "block_size"
+
+
+@pytest.mark.parametrize(
+    ("argument", "args"),
+    [
+        ("num_blocks", (-1, 16, 2, 64)),
+        ("block_size", (10, 0, 2, 64)),
+        ("num_kv_heads", (10, 16, 0, 64)),
+        ("head_size", (10, 16, 2, -64)),
+        ("block_size", (10, 16.0, 2, 64)),
+        ("num_blocks", (True, 16, 2, 64)),
+    ],
+    ids=repr,
+)
+def test_kv_cache_shape_refuses_bad_sizes(
+    backend_cls: type[AttentionBackend], argument: str, args: tuple[int, int, int, int]
+) -> None:
+    """Negative block counts and non-positive sizes no longer give nonsense shapes."""
+    with pytest.raises(InvalidInputError) as info:
+        backend_cls.get_kv_cache_shape(*args)
+    assert info.value.argument == argument
+    assert info.value.hint
+
+
+def test_kv_cache_shape_accepts_zero_blocks_and_index_likes(
+    backend_cls: type[AttentionBackend],
+) -> None:
+    """An empty cache (0 blocks) is fine, and numpy ints count as ints."""
+    np = pytest.importorskip("numpy")
+
+    assert backend_cls.get_kv_cache_shape(0, 16, 2, 64) == (2, 0, 16, 2, 64)
+    assert backend_cls.get_kv_cache_shape(np.int64(3), 16, 2, 64) == (2, 3, 16, 2, 64)

@@ -7,11 +7,12 @@ dtypes may be torch dtypes or their names (``torch.bfloat16`` or ``"bfloat16"``)
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from attn_di.backend._types import AttentionType, DeviceCapability, MultipleOf
-from attn_di.exceptions import InvalidBackendTypeError
+from attn_di.exceptions import InvalidBackendTypeError, InvalidInputError
 
 if TYPE_CHECKING:
     from attn_di.backend._impl import AttentionImpl
@@ -45,6 +46,24 @@ def dtype_name(dtype: object) -> str:
     """
     name = str(dtype).strip().removeprefix("torch.").lower()
     return _DTYPE_ALIASES.get(name, name)
+
+
+def _cache_dim(argument: str, value: object, minimum: int, example: str) -> int:
+    """``value`` as an int (``operator.index``, not bool) of at least ``minimum``."""
+    index = None
+    if not isinstance(value, bool):
+        try:
+            index = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            index = None
+    kind = "a non-negative int" if minimum == 0 else "a positive int"
+    if index is None or index < minimum:
+        raise InvalidInputError(
+            argument,
+            f"must be {kind}, got {value!r} ({type(value).__name__})",
+            hint=f"e.g. {example}",
+        )
+    return index
 
 
 @runtime_checkable
@@ -184,8 +203,18 @@ class AttentionBackend:
         """The paged KV cache's shape: ``(2, num_blocks, block_size, num_kv_heads, head_size)``.
 
         Index 0 of the first axis holds keys, 1 values (vLLM's FlashAttention layout).
+
+        Raises:
+            InvalidInputError: a negative ``num_blocks``, or a ``block_size``,
+                ``num_kv_heads`` or ``head_size`` that is not a positive int.
         """
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return (
+            2,
+            _cache_dim("num_blocks", num_blocks, 0, "num_blocks=1024"),
+            _cache_dim("block_size", block_size, 1, "block_size=16"),
+            _cache_dim("num_kv_heads", num_kv_heads, 1, "num_kv_heads=8"),
+            _cache_dim("head_size", head_size, 1, "head_size=128"),
+        )
 
     @staticmethod
     def get_kv_cache_stride_order() -> tuple[int, ...]:

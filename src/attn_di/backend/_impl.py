@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import math
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -26,6 +28,118 @@ _FEATURE_PROVIDERS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _is_bool(value: object) -> bool:
+    """True for Python, numpy and torch booleans (which ``operator.index`` may accept)."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in {"bool", "torch.bool"}
+
+
+def _describe(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _positive_int(argument: str, value: object, example: str) -> int:
+    """``value`` as a positive int: ints and ``operator.index``-able values, not bool."""
+    if _is_bool(value):
+        index = None
+    else:
+        try:
+            index = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            index = None
+    if index is None:
+        raise InvalidInputError(
+            argument, f"must be a positive int, got {_describe(value)}", hint=f"e.g. {example}"
+        )
+    if index <= 0:
+        raise InvalidInputError(argument, f"must be positive, got {index}", hint=f"e.g. {example}")
+    return index
+
+
+def _finite_real(argument: str, value: object, example: str) -> float:
+    """``value`` as a finite float: real numbers only, not bool, str or None."""
+    number = None
+    if not _is_bool(value) and not isinstance(value, (str, bytes, bytearray)):
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError, RuntimeError):
+            number = None
+    if number is None:
+        raise InvalidInputError(
+            argument, f"must be a real number, got {_describe(value)}", hint=f"e.g. {example}"
+        )
+    if not math.isfinite(number):
+        raise InvalidInputError(argument, f"must be finite, got {number}", hint=f"e.g. {example}")
+    return number
+
+
+def _soft_cap(value: object) -> float | None:
+    """The soft cap c, or None when off (None, 0 or +inf: ``c * tanh(s / c) -> s``)."""
+    if value is None:
+        return None
+    hint = "e.g. logits_soft_cap=50.0 (Gemma 2); None or 0 turns it off"
+    if _is_bool(value) or isinstance(value, (str, bytes, bytearray)):
+        number = None
+    else:
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError, RuntimeError):
+            number = None
+    if number is None:
+        raise InvalidInputError(
+            "logits_soft_cap", f"must be a real number or None, got {_describe(value)}", hint=hint
+        )
+    if math.isnan(number) or number < 0:
+        raise InvalidInputError("logits_soft_cap", f"must be >= 0, got {number}", hint=hint)
+    return None if number in (0.0, math.inf) else number
+
+
+def _head_vector(argument: str, value: object, num_heads: int, *, finite: bool) -> torch.Tensor:
+    """``value`` (a tensor or a sequence of numbers) as a ``[num_heads]`` real tensor.
+
+    A tensor is returned as given (its dtype, device and autograd history kept); anything
+    else becomes a float32 tensor. With ``finite`` every entry must be finite, otherwise only
+    NaN and +inf are refused (-inf is a valid "no sink" logit).
+    """
+    import torch
+
+    hint = f"a tensor or list of {num_heads} numbers, one per query head ([num_heads])"
+    if isinstance(value, torch.Tensor):
+        tensor = value
+    else:
+        converted = None
+        if not isinstance(value, (str, bytes, bytearray, dict)):
+            try:
+                converted = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                converted = None
+        if converted is None:
+            raise InvalidInputError(
+                argument,
+                f"must be a tensor or a sequence of numbers, got {_describe(value)}",
+                hint=hint,
+            )
+        tensor = converted
+    if tensor.dtype == torch.bool or tensor.is_complex():
+        raise InvalidInputError(
+            argument, f"dtype {tensor.dtype} is not a real number type", hint=hint
+        )
+    if tuple(tensor.shape) != (num_heads,):
+        raise InvalidInputError(
+            argument, f"shape {tuple(tensor.shape)} should be [num_heads]=[{num_heads}]", hint=hint
+        )
+    if not isinstance(value, torch.Tensor):
+        tensor = tensor.to(torch.float32)
+    values = tensor.detach().double()
+    bad = ~torch.isfinite(values) if finite else torch.isnan(values) | (values == math.inf)
+    if bool(bad.any()):
+        raise InvalidInputError(
+            argument,
+            f"holds {'non-finite' if finite else 'NaN or +inf'} values {values.tolist()}",
+            hint=hint,
+        )
+    return tensor
+
+
 class AttentionImpl(abc.ABC):
     """One attention layer's computation for a backend (vLLM's ``AttentionImpl``).
 
@@ -34,25 +148,28 @@ class AttentionImpl(abc.ABC):
     (a ``NotImplementedError`` naming the feature), as vLLM's impls do.
 
     Args:
-        num_heads: query heads H.
-        head_size: D, features per head.
-        scale: the factor applied to ``q @ k^T`` (usually ``D ** -0.5``).
+        num_heads: query heads H, a positive int (``operator.index``-able, not bool).
+        head_size: D, features per head, a positive int.
+        scale: the factor applied to ``q @ k^T`` (usually ``D ** -0.5``), a finite number.
         num_kv_heads: key/value heads; defaults to H; must divide H (GQA/MQA).
-        alibi_slopes: ``[H]`` ALiBi slopes m_h; the score of query position i and key
-            position j gets ``m_h * (j - i)`` added (Press et al. 2022, "Train Short,
-            Test Long").
-        sliding_window: w; position p sees keys k with ``p - w < k <= p``.
+        alibi_slopes: ``[H]`` ALiBi slopes m_h (a tensor or a sequence of finite numbers);
+            the score of query position i and key position j gets ``m_h * (j - i)`` added
+            (Press et al. 2022, "Train Short, Test Long").
+        sliding_window: w, a positive int; position p sees keys k with ``p - w < k <= p``.
         kv_cache_dtype: the cache dtype string; only ``"auto"`` (the model dtype).
-        logits_soft_cap: c; scores s become ``c * tanh(s / c)`` (Gemma 2). None or 0: off.
+        logits_soft_cap: c; scores s become ``c * tanh(s / c)`` (Gemma 2). None, 0 or
+            ``+inf`` (the limit ``c -> inf`` is the identity): off; NaN or negative is refused.
         attn_type: an :class:`AttentionType` or its string.
-        sinks: ``[H]`` per-head logits that join the softmax denominator and carry no
-            value (gpt-oss attention sinks).
+        sinks: ``[H]`` per-head logits (a tensor, kept as given, or a sequence of numbers,
+            made a float32 tensor; ``-inf`` means no sink) that join the softmax
+            denominator and carry no value (gpt-oss attention sinks).
         kv_sharing_target_layer_name: another layer whose cache this one reads; not
             supported (keyword only, as vLLM passes it).
 
     Raises:
-        InvalidInputError: a non-positive size, num_kv_heads not dividing num_heads, or
-            alibi_slopes/sinks of the wrong length.
+        InvalidInputError: a size that is not a positive int, num_kv_heads not dividing
+            num_heads, a scale that is not a finite number, a bad sliding_window or
+            logits_soft_cap, or alibi_slopes/sinks that are not ``[num_heads]`` numbers.
         UnsupportedFeatureError: a feature or attention type the backend does not implement.
     """
 
@@ -72,25 +189,25 @@ class AttentionImpl(abc.ABC):
         kv_cache_dtype: str = "auto",
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
-        sinks: torch.Tensor | None = None,
+        sinks: Sequence[float] | torch.Tensor | None = None,
         *,
         kv_sharing_target_layer_name: str | None = None,
     ) -> None:
         name = self.backend.get_name()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        for argument, value in (
-            ("num_heads", num_heads),
-            ("head_size", head_size),
-            ("num_kv_heads", num_kv_heads),
-        ):
-            if value <= 0:
-                raise InvalidInputError(argument, f"must be positive, got {value}")
+        num_heads = _positive_int("num_heads", num_heads, "num_heads=32")
+        head_size = _positive_int("head_size", head_size, "head_size=128")
+        num_kv_heads = (
+            num_heads
+            if num_kv_heads is None
+            else _positive_int("num_kv_heads", num_kv_heads, "num_kv_heads=8")
+        )
         if num_heads % num_kv_heads:
             raise InvalidInputError(
                 "num_kv_heads",
                 f"{num_kv_heads} does not divide num_heads {num_heads}",
                 hint="GQA/MQA needs num_heads to be a multiple of num_kv_heads",
             )
+        scale = _finite_real("scale", scale, f"scale={head_size**-0.5:.4g} (head_size ** -0.5)")
         try:
             attn_type = AttentionType(attn_type)
         except ValueError:
@@ -100,37 +217,53 @@ class AttentionImpl(abc.ABC):
                 hint=f"one of {', '.join(t.value for t in AttentionType)}",
             ) from None
         if not self.backend.supports_attn_type(attn_type):
-            raise UnsupportedFeatureError(name, f"attention type {attn_type.value}")
+            supported = ", ".join(
+                str(AttentionType(t).value) for t in self.backend.supported_attn_types
+            )
+            error = UnsupportedFeatureError(name, f"attention type {attn_type.value}")
+            error.hint = (
+                f"{name} runs attn_type {supported}; no attn_di backend runs "
+                f"{attn_type.value} (cross-attention needs a custom backend)"
+                if attn_type == AttentionType.ENCODER_DECODER
+                else f"{name} runs attn_type {supported}"
+            )
+            raise error
         if kv_cache_dtype not in self.backend.supported_kv_cache_dtypes:
-            raise UnsupportedFeatureError(name, f"kv_cache_dtype {kv_cache_dtype!r}")
+            error = UnsupportedFeatureError(name, f"kv_cache_dtype {kv_cache_dtype!r}")
+            choices = ", ".join(repr(d) for d in self.backend.supported_kv_cache_dtypes)
+            error.hint = f"use kv_cache_dtype='auto' (the model dtype); {name} supports {choices}"
+            raise error
         if kv_sharing_target_layer_name is not None:
-            raise UnsupportedFeatureError(name, "kv_sharing_target_layer_name")
-        if sliding_window is not None and sliding_window <= 0:
-            raise InvalidInputError("sliding_window", f"must be positive, got {sliding_window}")
-        if logits_soft_cap is not None and logits_soft_cap < 0:
-            raise InvalidInputError("logits_soft_cap", f"must be >= 0, got {logits_soft_cap}")
-        slopes = None if alibi_slopes is None else [float(m) for m in alibi_slopes]
-        self._require(slopes is not None, self.supports_alibi, "alibi_slopes")
+            error = UnsupportedFeatureError(name, "kv_sharing_target_layer_name")
+            error.hint = (
+                "no attn_di backend shares a KV cache between layers; give each layer its "
+                "own cache and pass kv_sharing_target_layer_name=None"
+            )
+            raise error
+        if sliding_window is not None:
+            sliding_window = _positive_int("sliding_window", sliding_window, "sliding_window=4096")
+        logits_soft_cap = _soft_cap(logits_soft_cap)
+        self._require(alibi_slopes is not None, self.supports_alibi, "alibi_slopes")
         self._require(sliding_window is not None, self.supports_sliding_window, "sliding_window")
-        self._require(bool(logits_soft_cap), self.supports_logits_soft_cap, "logits_soft_cap")
+        self._require(logits_soft_cap is not None, self.supports_logits_soft_cap, "logits_soft_cap")
         self._require(sinks is not None, self.backend.supports_sink(), "sinks")
-        if slopes is not None and len(slopes) != num_heads:
-            raise InvalidInputError(
-                "alibi_slopes", f"has {len(slopes)} entries, expected num_heads={num_heads}"
-            )
-        if sinks is not None and tuple(sinks.shape) != (num_heads,):
-            raise InvalidInputError(
-                "sinks", f"shape {tuple(sinks.shape)} should be [num_heads]=[{num_heads}]"
-            )
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = [
+                float(m)
+                for m in _head_vector("alibi_slopes", alibi_slopes, num_heads, finite=True).tolist()
+            ]
+        if sinks is not None:
+            sinks = _head_vector("sinks", sinks, num_heads, finite=False)
         self.num_heads = num_heads
         self.head_size = head_size
-        self.scale = float(scale)
+        self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.alibi_slopes = slopes
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
-        self.logits_soft_cap = logits_soft_cap or None
+        self.logits_soft_cap = logits_soft_cap
         self.attn_type = attn_type
         self.sinks = sinks
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -12,6 +13,25 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["AttentionMetadata", "AttentionMetadataBuilder"]
+
+
+def _integers(argument: str, value: object, expected: str) -> torch.Tensor:
+    """``value`` as an int64 tensor; refuses floats (``[1.5]``), bools and non-numbers."""
+    import torch
+
+    hint = f"expected {expected}"
+    try:
+        tensor = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise InvalidInputError(
+            argument, f"must be integers, got {value!r} ({type(value).__name__})", hint=hint
+        ) from None
+    integer = tensor.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+    if not integer and tensor.numel():  # torch.as_tensor([]) is float32: an empty list is fine
+        raise InvalidInputError(
+            argument, f"must be integers, got {tensor.tolist()} ({tensor.dtype})", hint=hint
+        )
+    return tensor.to(torch.int64)
 
 
 @dataclass
@@ -63,9 +83,19 @@ class AttentionMetadataBuilder:
     """
 
     def __init__(self, block_size: int, device: str | torch.device = "cpu") -> None:
-        if block_size <= 0:
-            raise InvalidInputError("block_size", f"must be positive, got {block_size}")
-        self.block_size = block_size
+        size = None
+        if not isinstance(block_size, bool):
+            try:
+                size = operator.index(block_size)
+            except TypeError:
+                size = None
+        if size is None or size <= 0:
+            raise InvalidInputError(
+                "block_size",
+                f"must be a positive int, got {block_size!r} ({type(block_size).__name__})",
+                hint="e.g. block_size=16 (tokens per KV-cache block)",
+            )
+        self.block_size = size
         self.device = device
 
     def __repr__(self) -> str:
@@ -97,35 +127,45 @@ class AttentionMetadataBuilder:
             The metadata, tensors on ``device``.
 
         Raises:
-            InvalidInputError: lengths of different counts, a negative length, a query longer
-                than its sequence, or a block table too short for ``seq_lens``.
+            InvalidInputError: lengths or block numbers that are not integers (``[1.5]``),
+                lengths of different counts, a negative length, a query longer than its
+                sequence, a block table too short for ``seq_lens``, or a negative block
+                number among those ``seq_lens`` use.
         """
         import torch
 
-        q_lens = torch.as_tensor(query_lens, dtype=torch.int64).reshape(-1)
-        s_lens = torch.as_tensor(seq_lens, dtype=torch.int64).reshape(-1)
+        q_lens = _integers("query_lens", query_lens, "[B] ints, e.g. query_lens=[5, 1]")
+        s_lens = _integers("seq_lens", seq_lens, "[B] ints, e.g. seq_lens=[5, 18]")
+        q_lens, s_lens = q_lens.reshape(-1), s_lens.reshape(-1)
         num_seqs = int(q_lens.shape[0])
         if int(s_lens.shape[0]) != num_seqs:
             raise InvalidInputError(
                 "seq_lens",
                 f"has {int(s_lens.shape[0])} entries but query_lens has {num_seqs}",
+                hint="give one query length and one sequence length per sequence",
             )
         if bool((q_lens < 0).any()) or bool((s_lens < q_lens).any()):
             raise InvalidInputError(
                 "query_lens",
                 f"each must be in [0, seq_len]; got query_lens={q_lens.tolist()}, "
                 f"seq_lens={s_lens.tolist()}",
+                hint="seq_lens count the cached prefix plus the query tokens",
             )
         if block_table is None:
             table = torch.zeros((num_seqs, 0), dtype=torch.int32)
         else:
-            table = torch.as_tensor(block_table, dtype=torch.int32)
+            table = _integers(
+                "block_table",
+                block_table,
+                "[B, max_blocks] ints, e.g. block_table=[[0, 1], [2, 0]]",
+            ).to(torch.int32)
             if table.dim() == 1 and num_seqs == 0:
                 table = table.reshape(0, 0)
             if table.dim() != 2 or int(table.shape[0]) != num_seqs:
                 raise InvalidInputError(
                     "block_table",
                     f"shape {tuple(table.shape)} should be [{num_seqs}, max_blocks]",
+                    hint="one row of cache block numbers per sequence",
                 )
             needed = (s_lens + self.block_size - 1) // self.block_size
             if num_seqs and int(needed.max()) > int(table.shape[1]):
@@ -133,7 +173,17 @@ class AttentionMetadataBuilder:
                     "block_table",
                     f"shape {tuple(table.shape)} has too few columns: seq_lens "
                     f"{s_lens.tolist()} need {int(needed.max())} blocks of {self.block_size}",
+                    hint="each row needs ceil(seq_len / block_size) block numbers",
                 )
+            if num_seqs and table.shape[1]:
+                used = torch.arange(table.shape[1])[None, :] < needed[:, None]
+                if bool((table[used] < 0).any()):
+                    raise InvalidInputError(
+                        "block_table",
+                        f"holds negative block numbers {table[used].tolist()} among the "
+                        f"blocks seq_lens {s_lens.tolist()} use",
+                        hint="block numbers index the KV cache's axis 1 and are >= 0",
+                    )
         query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])

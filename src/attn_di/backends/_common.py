@@ -53,17 +53,31 @@ def check_inputs(
     metadata: AttentionMetadata,
     output: torch.Tensor | None,
 ) -> None:
-    """Check shapes, dtypes, devices and indices of one ``forward`` call.
+    """Check types, shapes, dtypes, devices and indices of one ``forward`` call.
+
+    Everything is checked before ``forward`` writes the cache, so a refused call leaves
+    ``kv_cache`` untouched.
 
     Raises:
-        InvalidInputError: naming the first offending tensor and its shape or dtype.
+        InvalidInputError: naming the first offending input and its type, shape or dtype.
     """
     heads, kv_heads, size = impl.num_heads, impl.num_kv_heads, impl.head_size
+    tensors = (("query", query), ("key", key), ("value", value), ("kv_cache", kv_cache))
+    for argument, tensor in (*tensors, ("output", output)):
+        if not isinstance(tensor, torch.Tensor) and (argument != "output" or tensor is not None):
+            raise InvalidInputError(
+                argument,
+                f"must be a torch.Tensor, got {type(tensor).__name__}",
+                hint=f"pass a tensor, e.g. torch.as_tensor({argument})"
+                + (" or None" if argument == "output" else ""),
+            )
+    _check_metadata_types(metadata)
     if query.dim() != 3 or tuple(query.shape[1:]) != (heads, size):
         raise InvalidInputError(
             "query",
             f"shape {tuple(query.shape)} should be [num_tokens, {heads}, {size}] "
             "(num_heads, head_size)",
+            hint="query must be [num_tokens, num_heads, head_size]",
         )
     if dtype_name(query.dtype) not in {dtype_name(d) for d in impl.backend.supported_dtypes}:
         raise InvalidInputError(
@@ -78,15 +92,22 @@ def check_inputs(
                 argument,
                 f"shape {tuple(tensor.shape)} should be [{num_tokens}, {kv_heads}, {size}] "
                 "(num_tokens, num_kv_heads, head_size)",
+                hint=f"{argument} must be [num_tokens, num_kv_heads, head_size], with as many "
+                "tokens as query",
             )
     for argument, tensor in (("key", key), ("value", value), ("kv_cache", kv_cache)):
         if tensor.dtype != query.dtype and (argument != "kv_cache" or uses_cache(impl)):
             raise InvalidInputError(
-                argument, f"dtype {tensor.dtype} differs from query's dtype {query.dtype}"
+                argument,
+                f"dtype {tensor.dtype} differs from query's dtype {query.dtype}",
+                hint=f"give query, key, value and kv_cache one dtype, e.g. "
+                f"{argument}.to({query.dtype})",
             )
         if tensor.device != query.device and (argument != "kv_cache" or uses_cache(impl)):
             raise InvalidInputError(
-                argument, f"is on {tensor.device} but query is on {query.device}"
+                argument,
+                f"is on {tensor.device} but query is on {query.device}",
+                hint=f"put every tensor on one device, e.g. {argument}.to(query.device)",
             )
     if output is not None and (
         tuple(output.shape) != (num_tokens, heads * size) or output.dtype != query.dtype
@@ -95,8 +116,59 @@ def check_inputs(
             "output",
             f"shape {tuple(output.shape)} dtype {output.dtype} should be "
             f"[{num_tokens}, {heads * size}] {query.dtype}",
+            hint="output must be [num_tokens, num_heads * head_size] in query's dtype, or None",
         )
     _check_metadata(impl, kv_cache, metadata, num_tokens)
+
+
+_BUILD_HINT = "build the metadata with AttentionMetadataBuilder(block_size).build(...)"
+# The metadata's tensors and their ranks, as documented on AttentionMetadata.
+_METADATA_TENSORS = (
+    ("query_start_loc", 1, "[B + 1]"),
+    ("seq_lens", 1, "[B]"),
+    ("block_table", 2, "[B, max_blocks]"),
+    ("slot_mapping", 1, "[num_tokens]"),
+)
+_INTEGER_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+
+def _check_metadata_types(metadata: object) -> None:
+    """Refuse metadata that is not :class:`AttentionMetadata`-shaped: wrong object, types, ranks."""
+    fields = ("num_actual_tokens", *(name for name, _, _ in _METADATA_TENSORS))
+    missing = [name for name in fields if not hasattr(metadata, name)]
+    if missing:
+        raise InvalidInputError(
+            "attn_metadata",
+            f"{type(metadata).__name__} is not AttentionMetadata (lacks {', '.join(missing)})",
+            hint=_BUILD_HINT,
+        )
+    actual = getattr(metadata, "num_actual_tokens")  # noqa: B009
+    if isinstance(actual, bool) or not isinstance(actual, int) or actual < 0:
+        raise InvalidInputError(
+            "num_actual_tokens",
+            f"must be a non-negative int, got {actual!r} ({type(actual).__name__})",
+            hint="attn_metadata.num_actual_tokens is the number of real (unpadded) query tokens",
+        )
+    for name, rank, layout in _METADATA_TENSORS:
+        tensor = getattr(metadata, name)
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidInputError(
+                name,
+                f"must be a torch.Tensor, got {type(tensor).__name__}",
+                hint=f"{name} is a {layout} integer tensor; {_BUILD_HINT}",
+            )
+        if tensor.dtype not in _INTEGER_DTYPES:
+            raise InvalidInputError(
+                name,
+                f"dtype {tensor.dtype} is not an integer dtype",
+                hint=f"{name} is a {layout} integer tensor (torch.int32 or torch.int64)",
+            )
+        if tensor.dim() != rank:
+            raise InvalidInputError(
+                name,
+                f"shape {tuple(tensor.shape)} should be {layout} ({rank}-D)",
+                hint=f"{name} is a {layout} integer tensor; {_BUILD_HINT}",
+            )
 
 
 def _check_metadata(
@@ -104,66 +176,83 @@ def _check_metadata(
 ) -> None:
     qsl, seq_lens = metadata.query_start_loc, metadata.seq_lens
     num_seqs = int(seq_lens.shape[0])
-    if qsl.dim() != 1 or int(qsl.shape[0]) != num_seqs + 1:
+    if int(qsl.shape[0]) != num_seqs + 1:
         raise InvalidInputError(
-            "query_start_loc", f"shape {tuple(qsl.shape)} should be [{num_seqs + 1}] (B + 1)"
+            "query_start_loc",
+            f"shape {tuple(qsl.shape)} should be [{num_seqs + 1}] (B + 1)",
+            hint="query_start_loc is [B + 1], one more entry than seq_lens",
         )
     q_lens = qsl[1:].long() - qsl[:-1].long()
     if int(qsl[0]) != 0 or bool((q_lens < 0).any()):
-        raise InvalidInputError("query_start_loc", f"{qsl.tolist()} must rise from 0")
+        raise InvalidInputError(
+            "query_start_loc",
+            f"{qsl.tolist()} must rise from 0",
+            hint="query_start_loc holds cumulative query lengths, e.g. [0, 3, 4]",
+        )
     actual = int(qsl[-1])
     if actual != metadata.num_actual_tokens or actual > num_tokens:
         raise InvalidInputError(
             "query_start_loc",
             f"ends at {actual}, but num_actual_tokens={metadata.num_actual_tokens} and "
             f"query has {num_tokens} tokens",
+            hint="query_start_loc[-1] must equal num_actual_tokens, at most query.shape[0]",
         )
     if not uses_cache(impl):
         return
     if bool((seq_lens.long() < q_lens).any()):
         raise InvalidInputError(
-            "seq_lens", f"{seq_lens.tolist()} shorter than query lengths {q_lens.tolist()}"
+            "seq_lens",
+            f"{seq_lens.tolist()} shorter than query lengths {q_lens.tolist()}",
+            hint="seq_lens count the cached prefix plus the query tokens of each sequence",
         )
     if (
         kv_cache.dim() != 5
         or kv_cache.shape[0] != 2
-        or tuple(kv_cache.shape[3:])
-        != (
-            impl.num_kv_heads,
-            impl.head_size,
-        )
+        or tuple(kv_cache.shape[3:]) != (impl.num_kv_heads, impl.head_size)
     ):
         raise InvalidInputError(
             "kv_cache",
             f"shape {tuple(kv_cache.shape)} should be [2, num_blocks, block_size, "
             f"{impl.num_kv_heads}, {impl.head_size}]",
+            hint="allocate it with backend.get_kv_cache_shape(num_blocks, block_size, "
+            "num_kv_heads, head_size)",
         )
     if not kv_cache.is_contiguous():
-        raise InvalidInputError("kv_cache", "must be contiguous (writes go through a view)")
+        raise InvalidInputError(
+            "kv_cache",
+            "must be contiguous (writes go through a view)",
+            hint="allocate the cache with torch.zeros(shape) rather than a slice or transpose",
+        )
     num_blocks, block_size = int(kv_cache.shape[1]), int(kv_cache.shape[2])
-    slots = metadata.slot_mapping[:actual]
-    if int(metadata.slot_mapping.shape[0]) < actual:
+    slot_mapping = metadata.slot_mapping
+    if int(slot_mapping.shape[0]) < actual:
         raise InvalidInputError(
             "slot_mapping",
-            f"shape {tuple(metadata.slot_mapping.shape)} has fewer than {actual} entries",
+            f"shape {tuple(slot_mapping.shape)} has fewer than {actual} entries",
+            hint="slot_mapping is [num_tokens], one cache slot per query token (-1: padding)",
         )
+    slots = slot_mapping[:actual]
     if actual and int(slots.max()) >= num_blocks * block_size:
         raise InvalidInputError(
             "slot_mapping",
             f"slot {int(slots.max())} is outside the cache of shape {tuple(kv_cache.shape)} "
             f"({num_blocks * block_size} slots)",
+            hint="a slot is block_number * block_size + offset, below num_blocks * block_size",
         )
     table = metadata.block_table
     needed = (seq_lens.long() + block_size - 1) // block_size
-    if table.dim() != 2 or int(table.shape[0]) != num_seqs:
+    if int(table.shape[0]) != num_seqs:
         raise InvalidInputError(
-            "block_table", f"shape {tuple(table.shape)} should be [{num_seqs}, max_blocks]"
+            "block_table",
+            f"shape {tuple(table.shape)} should be [{num_seqs}, max_blocks]",
+            hint="block_table has one row per sequence (as many as seq_lens)",
         )
     if num_seqs and int(needed.max()) > int(table.shape[1]):
         raise InvalidInputError(
             "block_table",
             f"shape {tuple(table.shape)} is too short for seq_lens {seq_lens.tolist()} "
             f"with block_size {block_size} (needs {int(needed.max())} columns)",
+            hint="each row needs ceil(seq_len / block_size) block numbers",
         )
     if num_seqs and table.shape[1]:
         used = torch.arange(table.shape[1], device=table.device)[None, :] < needed[:, None]
@@ -175,6 +264,7 @@ def _check_metadata(
                 "block_table",
                 f"holds block numbers outside [0, {num_blocks}) of kv_cache shape "
                 f"{tuple(kv_cache.shape)}",
+                hint=f"block numbers index the cache's axis 1: 0 <= block < {num_blocks}",
             )
 
 
