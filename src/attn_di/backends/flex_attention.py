@@ -29,17 +29,11 @@ import torch
 from torch.nn.attention import flex_attention as flex
 
 from attn_di.backend._backend import AttentionBackend
-from attn_di.backend._impl import AttentionImpl
-from attn_di.backend._metadata import AttentionMetadata
 from attn_di.backend._types import AttentionType
 from attn_di.backends._common import (
-    BatchPlan,
     SeqGroup,
-    check_inputs,
-    new_output,
-    uses_cache,
-    write_kv_cache,
 )
+from attn_di.backends._grouped import GroupedAttentionImpl
 from attn_di.exceptions import UnsupportedFeatureError
 
 __all__ = ["COMPILE_ENV_VAR", "FlexAttentionBackend", "FlexAttentionImpl"]
@@ -84,7 +78,7 @@ class FlexAttentionBackend(AttentionBackend):
         return True
 
 
-class FlexAttentionImpl(AttentionImpl):
+class FlexAttentionImpl(GroupedAttentionImpl):
     """The FLEX_ATTENTION computation; see :class:`~attn_di.backend.AttentionImpl`.
 
     Attributes:
@@ -107,34 +101,6 @@ class FlexAttentionImpl(AttentionImpl):
             raise UnsupportedFeatureError(
                 "FLEX_ATTENTION", "sinks in compiled mode", ("CPU_ATTN", "TORCH_SDPA")
             )
-
-    def forward(
-        self,
-        layer: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Write keys/values into ``kv_cache``, then attend; see :meth:`AttentionImpl.forward`."""
-        check_inputs(self, query, key, value, kv_cache, attn_metadata, output)
-        result = new_output(query, output)
-        actual = attn_metadata.num_actual_tokens
-        if uses_cache(self):
-            write_kv_cache(key[:actual], value[:actual], kv_cache, attn_metadata.slot_mapping)
-            flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
-            key_src, value_src = flat[0], flat[1]
-            block_size = int(kv_cache.shape[2])
-        else:
-            key_src, value_src, block_size = key, value, 1
-        rows = result.view(-1, self.num_heads, self.head_size)
-        for group in BatchPlan(self, attn_metadata, block_size).groups():
-            attended = self._attend(query, key_src, value_src, group)  # [b, H, Lq, D]
-            attended = attended.transpose(1, 2)[group.query_valid]
-            rows[group.query_index[group.query_valid]] = attended.to(result.dtype)
-        return result
 
     def _attend(
         self,

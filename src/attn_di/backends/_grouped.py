@@ -1,0 +1,71 @@
+"""The forward pass shared by TORCH_SDPA and FLEX_ATTENTION: write the cache, then attend group
+by group (sequences of similar length batched, see :class:`BatchPlan`)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+from attn_di.backend._impl import AttentionImpl
+from attn_di.backend._metadata import AttentionMetadata
+from attn_di.backends._common import (
+    BatchPlan,
+    SeqGroup,
+    check_inputs,
+    new_output,
+    uses_cache,
+    write_kv_cache,
+)
+
+__all__ = ["GroupedAttentionImpl"]
+
+
+class GroupedAttentionImpl(AttentionImpl):
+    """An impl whose backend attends one :class:`SeqGroup` at a time (:meth:`_attend`)."""
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write keys/values into ``kv_cache``, then attend; see :meth:`AttentionImpl.forward`."""
+        check_inputs(self, query, key, value, kv_cache, attn_metadata, output)
+        result = new_output(query, output)
+        actual = attn_metadata.num_actual_tokens
+        if uses_cache(self):
+            write_kv_cache(key[:actual], value[:actual], kv_cache, attn_metadata.slot_mapping)
+            flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+            key_src, value_src = flat[0], flat[1]
+            block_size = int(kv_cache.shape[2])
+        else:
+            key_src, value_src, block_size = key, value, 1
+        rows = result.view(-1, self.num_heads, self.head_size)
+        for group in BatchPlan(self, attn_metadata, block_size).groups():
+            attended = self._attend(query, key_src, value_src, group)  # [b, H, Lq, D]
+            attended = attended.transpose(1, 2)[group.query_valid]
+            rows[group.query_index[group.query_valid]] = attended.to(result.dtype)
+        return result
+
+    @abc.abstractmethod
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key_src: torch.Tensor,
+        value_src: torch.Tensor,
+        group: SeqGroup,
+    ) -> torch.Tensor:
+        """``[b, H, Lq, D]`` attention of one group, in the query's dtype.
+
+        Args:
+            query: ``[num_tokens, H, D]``, all of the batch's queries.
+            key_src, value_src: ``[slots, H_kv, D]``: the flattened cache (or the new
+                keys/values themselves when there is no cache).
+            group: which query rows and key slots belong to the group's sequences.
+        """
