@@ -1,5 +1,5 @@
-"""The forward pass shared by TORCH_SDPA and FLEX_ATTENTION: write the cache, then attend group
-by group (sequences of similar length batched, see :class:`BatchPlan`)."""
+"""The forward pass shared by attn_di's computing backends: check, write the cache, then attend
+group by group (sequences of similar length batched, see :class:`BatchPlan`)."""
 
 from __future__ import annotations
 
@@ -47,11 +47,24 @@ class GroupedAttentionImpl(AttentionImpl):
         else:
             key_src, value_src, block_size = key, value, 1
         rows = result.view(-1, self.num_heads, self.head_size)
+        if self._forward_fast(query, kv_cache, attn_metadata, rows):
+            return result
         for group in BatchPlan(self, attn_metadata, block_size).groups():
             attended = self._attend(query, key_src, value_src, group)  # [b, H, Lq, D]
             attended = attended.transpose(1, 2)[group.query_valid]
             rows[group.query_index[group.query_valid]] = attended.to(result.dtype)
         return result
+
+    def _forward_fast(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> bool:
+        """A backend's special path for the whole batch (after the cache write): True if it
+        filled ``rows`` ``[num_tokens, H, D]`` itself. None by default."""
+        return False
 
     @abc.abstractmethod
     def _attend(

@@ -21,18 +21,14 @@ from typing import Any, ClassVar
 import torch
 
 from attn_di.backend._backend import AttentionBackend
-from attn_di.backend._impl import AttentionImpl
 from attn_di.backend._metadata import AttentionMetadata
 from attn_di.backend._types import AttentionType
 from attn_di.backends._common import (
-    BatchPlan,
     SeqGroup,
     alibi_bias,
-    check_inputs,
-    new_output,
     uses_cache,
-    write_kv_cache,
 )
+from attn_di.backends._grouped import GroupedAttentionImpl
 
 __all__ = ["CPUAttentionBackend", "CPUAttentionImpl"]
 
@@ -72,7 +68,7 @@ class CPUAttentionBackend(AttentionBackend):
         return True
 
 
-class CPUAttentionImpl(AttentionImpl):
+class CPUAttentionImpl(GroupedAttentionImpl):
     """The CPU_ATTN computation; see :class:`~attn_di.backend.AttentionImpl` for arguments."""
 
     backend: ClassVar[type[AttentionBackend]] = CPUAttentionBackend
@@ -84,37 +80,18 @@ class CPUAttentionImpl(AttentionImpl):
         super().__init__(*args, **kwargs)
         self._workspace = _Workspace()
 
-    def forward(
+    def _forward_fast(
         self,
-        layer: Any,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Write keys/values into ``kv_cache``, then attend; see :meth:`AttentionImpl.forward`."""
-        check_inputs(self, query, key, value, kv_cache, attn_metadata, output)
-        result = new_output(query, output)
-        actual = attn_metadata.num_actual_tokens
-        if uses_cache(self):
-            write_kv_cache(key[:actual], value[:actual], kv_cache, attn_metadata.slot_mapping)
-            flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
-            key_src, value_src = flat[0], flat[1]
-            block_size = int(kv_cache.shape[2])
-        else:
-            key_src, value_src, block_size = key, value, 1
-        rows = result.view(-1, self.num_heads, self.head_size)
-        if uses_cache(self) and _is_pure_decode(self, query, kv_cache, attn_metadata):
-            self._decode_flash(query, kv_cache, attn_metadata, rows)
-            return result
-        for group in BatchPlan(self, attn_metadata, block_size).groups():
-            attended = self._attend(query, key_src, value_src, group)
-            rows[group.query_index[group.query_valid]] = attended[group.query_valid].to(
-                result.dtype
-            )
-        return result
+        metadata: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> bool:
+        """Pure decode batches take :meth:`_decode_flash`; everything else the grouped path."""
+        if uses_cache(self) and _is_pure_decode(self, query, kv_cache, metadata):
+            self._decode_flash(query, kv_cache, metadata, rows)
+            return True
+        return False
 
     def _decode_flash(
         self,
@@ -205,6 +182,16 @@ class CPUAttentionImpl(AttentionImpl):
         rows[:seqs] = acc.view(seqs, self.num_heads, size).to(rows.dtype)
 
     def _attend(
+        self,
+        query: torch.Tensor,
+        key_src: torch.Tensor,
+        value_src: torch.Tensor,
+        group: SeqGroup,
+    ) -> torch.Tensor:
+        """``[b, H, Lq, D]`` (a view of :meth:`_attend_rows`)."""
+        return self._attend_rows(query, key_src, value_src, group).transpose(1, 2)
+
+    def _attend_rows(
         self,
         query: torch.Tensor,
         key_src: torch.Tensor,
