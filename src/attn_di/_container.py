@@ -216,6 +216,15 @@ class _ContainerAPI:
         Raises:
             UnknownBackendError, InvalidBackendTypeError, InvalidClassPathError: nothing changes.
         """
+        if impl is not _MISSING and not local:
+            # The common case, kept short (it is timed against dependency-injector's override).
+            key_ok = isinstance(member, (str, AttentionBackendEnum))
+            provider = self._by_key.get(member) if key_ok else None
+            if provider is not None:
+                target = override_target(impl, local=False)
+                handle = BackendOverride(Layer({provider: target}, False), {provider.member: impl})
+                handle.apply()
+                return handle
         if impl is not _MISSING:
             if isinstance(member, Mapping):
                 raise InvalidBackendTypeError(
