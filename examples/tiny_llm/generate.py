@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     config = ModelConfig(dtype=args.dtype, seed=args.seed)
+    capacity = (config.num_blocks - 1) * config.block_size
+    needed = sum(-(-(len(p) + args.tokens) // config.block_size) for p in PROMPTS)
+    if args.tokens < 1 or needed > config.num_blocks - 1:
+        limit = capacity // len(PROMPTS) - max(map(len, PROMPTS)) - config.block_size
+        parser.error(f"--tokens must be between 1 and about {limit} (the KV cache's size)")
     container = get_container()
     configure(container, config, args.backend)
     container.wire(modules=["llm_engine"], warn_unresolved=True)

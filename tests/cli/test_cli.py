@@ -162,6 +162,11 @@ def test_run_exits_non_zero_when_a_check_fails(tmp_path: pytest.TempPathFactory)
          "unknown device 'tpu'"),
         (["select", "--head-size", "64", "--dtype", "bf16", "--backend", "nope"],
          "unknown attention backend 'nope'"),
+        (["run", "--batch", "100000", "--context", "1000000"], "this batch needs about"),
+        (["run", "--block-size", "10000000"], "this batch needs about"),
+        (["run", "--backend", "NO_ATTENTION"], "NO_ATTENTION is attention-free"),
+        (["run", "--batch", "abc"], "argument --batch: invalid int value: 'abc'"),
+        (["bogus"], "argument COMMAND: invalid choice: 'bogus'"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_a_hint(args: list[str], message: str) -> None:
@@ -173,6 +178,15 @@ def test_bad_input_is_one_line_and_a_hint(args: list[str], message: str) -> None
     assert first.startswith("attn-di: error: ")
     assert message in first
     assert any(line.startswith("hint: ") for line in rest)
+
+
+def test_list_reports_unknown_allowlisted_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name in ATTN_DI_PLUGINS that no installed plugin has is reported, not ignored."""
+    monkeypatch.setenv("ATTN_DI_PLUGINS", "nosuch")
+    result = attn_di("list", "--json")
+    assert json.loads(result.stdout)["missing_plugins"] == ["nosuch"]
+    table = attn_di("list")
+    assert "ATTN_DI_PLUGINS names 'nosuch', but no installed plugin has that name" in table.stdout
 
 
 def test_console_script_is_installed() -> None:

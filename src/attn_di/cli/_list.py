@@ -63,8 +63,9 @@ def run_list(args: argparse.Namespace) -> int:
     """Print the members (and the plugins) as tables or JSON; always exits 0."""
     records = describe_members()
     plugins = describe_plugins()
+    missing = list(plugin_report().missing)
     if args.json:
-        print_json({"members": records, "plugins": plugins})
+        print_json({"members": records, "plugins": plugins, "missing_plugins": missing})
         return 0
     rows = [
         (
@@ -81,7 +82,10 @@ def run_list(args: argparse.Namespace) -> int:
         ["member", "path", "source", "imports", "why not"],
         rows,
     )
-    if plugins:
+    shown = [plugin for plugin in plugins if plugin["status"] != "skipped"]
+    if len(shown) < len(plugins):
+        print(f"{len(plugins) - len(shown)} installed plugin(s) not loaded: not in ATTN_DI_PLUGINS")
+    if shown:
         print_table(
             "plugins (entry points attn_di.plugins; ATTN_DI_PLUGINS allowlists them)",
             ["plugin", "distribution", "status", "registered", "error"],
@@ -93,9 +97,11 @@ def run_list(args: argparse.Namespace) -> int:
                     ", ".join(plugin["members"]) or "-",
                     plugin["error"] or "",
                 )
-                for plugin in plugins
+                for plugin in shown
             ],
         )
+    for name in missing:
+        print(f"ATTN_DI_PLUGINS names {name!r}, but no installed plugin has that name")
     return 0
 
 

@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from attn_di.cli._output import print_error
-from attn_di.exceptions import AttnDIError, BackendRejectedError, NoValidBackendError
+from attn_di.exceptions import (
+    AttnDIError,
+    BackendRejectedError,
+    NoValidBackendError,
+    UnknownBackendError,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -16,13 +22,23 @@ EXIT_FAILED = 1  # a check failed, or no backend could be chosen
 EXIT_USAGE = 2  # bad input: names, shapes, dtypes (argparse uses 2 as well)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``attn-di: error:`` line and a hint, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print_error(f"{message}", f"see `{self.prog} --help`")
+        sys.exit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``attn-di`` and its subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="attn-di",
         description="List, select and run attention backends (attn_di).",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
 
     listing = commands.add_parser("list", help="every backend, where it comes from, if it imports")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -87,11 +103,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         from attn_di.cli._run import run_batch
 
         return run_batch(args)
-    except (NoValidBackendError, BackendRejectedError) as exc:
+    except BackendRejectedError as exc:
+        exc.origin = "--backend" if exc.origin == "backend= argument" else exc.origin
+        print_error(exc.message(), "use --backend auto to let attn_di choose")
+        return EXIT_FAILED
+    except NoValidBackendError as exc:
         print_error(exc.message(), exc.hint)
         return EXIT_FAILED
+    except UnknownBackendError as exc:
+        all_hint = "`all` is for attn-di run" if str(exc.name).strip().lower() == "all" else None
+        print_error(exc.message(), all_hint or exc.hint)
+        return EXIT_USAGE
     except AttnDIError as exc:
         print_error(exc.message(), exc.hint)
+        return EXIT_USAGE
+    except (MemoryError, OverflowError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and "alloc" not in str(exc):
+            raise
+        print_error(
+            f"out of memory: {str(exc).splitlines()[0][:200]}", "use smaller sizes (see --help)"
+        )
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

@@ -28,7 +28,8 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
         max([len(column), *(len(row[i]) for row in text_rows)]) for i, column in enumerate(columns)
     ]
     print(title)
-    print("  ".join(column.ljust(width) for column, width in zip(columns, widths, strict=True)))
+    header = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))
+    print(header.rstrip())
     for row in text_rows:
         print(
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()

@@ -66,6 +66,7 @@ def run_batch(args: argparse.Namespace) -> int:
         head_size=args.head_size, dtype=dtype, block_size=args.block_size
     )
     members, skipped = _backends(args.backend, config)
+    _check_memory(args, torch.empty((), dtype=getattr(torch, dtype)).element_size(), len(members))
     problem = _build(args, getattr(torch, dtype))
     results = []
     with _Progress(len(members) * (args.iters + 1)) as advance:
@@ -100,14 +101,51 @@ def _check_sizes(args: argparse.Namespace) -> None:
         )
 
 
+def _check_memory(args: argparse.Namespace, element: int, backends: int) -> None:
+    """Refuse a batch whose tensors would not fit comfortably in this machine's memory."""
+    import os
+
+    prefills = (args.batch + 1) // 2 if args.prefill else 0
+    seq_lens = [args.context + (args.prefill if i < prefills else 1) for i in range(args.batch)]
+    blocks = sum(-(-n // args.block_size) for n in seq_lens) + 1
+    cache = 2 * blocks * args.block_size * args.kv_heads * args.head_size
+    tokens = sum(n - args.context for n in seq_lens)
+    # the shared cache + one copy per backend run, the float64 reference's per-sequence K/V and
+    # scores, and the queries/outputs
+    largest = max(seq_lens)
+    reference = 8 * (2 * largest * args.heads * args.head_size + args.heads * largest * largest)
+    needed = (
+        cache * element * (2 + backends) + reference + 16 * tokens * args.heads * args.head_size
+    )
+    try:
+        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # pragma: no cover - not on Linux
+        return
+    if needed > available // 2:
+        raise InvalidInputError(
+            "batch size",
+            f"this batch needs about {needed / 1e9:.1f} GB (KV cache of {blocks} blocks x "
+            f"{args.block_size} tokens, copies per backend, the float64 reference); this "
+            f"machine has {available / 1e9:.1f} GB",
+            hint="lower --batch, --context, --prefill, --heads/--kv-heads, --head-size or "
+            "--block-size",
+        )
+
+
 def _backends(
     requested: str, config: AttentionSelectorConfig
 ) -> tuple[list[AttentionBackendEnum], dict[str, list[str]]]:
     """The members to run, and for ``all`` the ones skipped with their reasons."""
     if requested.strip().lower() != "all":
-        return [
-            select_backend(config, device="cpu", backend=parse_backend_name(requested)).backend
-        ], {}
+        selection = select_backend(config, device="cpu", backend=parse_backend_name(requested))
+        if _attention_free(selection.backend_cls, config):
+            raise InvalidInputError(
+                "--backend",
+                f"{selection.backend.name} is attention-free: an empty KV cache and nothing to "
+                "compute or check",
+                hint="run a computing backend, e.g. --backend CPU_ATTN, or --backend all",
+            )
+        return [selection.backend], {}
     members, skipped = [], {}
     container = get_container()
     preferred = list(container.candidates(parse_device("cpu"), config))
@@ -118,16 +156,22 @@ def _backends(
         except BackendRejectedError as exc:
             skipped[member.name] = exc.reasons
             continue
-        shape = selection.backend_cls.get_kv_cache_shape(
-            1, config.block_size or 16, 1, config.head_size
-        )
-        if 0 in tuple(shape):
+        if _attention_free(selection.backend_cls, config):
             skipped[member.name] = ["attention-free: an empty KV cache and nothing to compute"]
         else:
             members.append(member)
     if not members:
-        raise InvalidInputError("--backend all", "no backend accepts this configuration here")
+        raise InvalidInputError(
+            "--backend all",
+            "no backend accepts this configuration here",
+            hint="attn-di select shows every candidate's reasons",
+        )
     return members, skipped
+
+
+def _attention_free(backend_cls: Any, config: AttentionSelectorConfig) -> bool:
+    shape = backend_cls.get_kv_cache_shape(1, config.block_size or 16, 1, config.head_size)
+    return 0 in tuple(shape)
 
 
 def _build(args: argparse.Namespace, dtype: Any) -> _Problem:
@@ -224,7 +268,12 @@ def _print_results(
     results: list[dict[str, Any]],
     skipped: dict[str, list[str]],
 ) -> None:
-    kind = f"mixed ({args.prefill}-token prefills + decode)" if args.prefill else "decode"
+    if not args.prefill:
+        kind = "decode"
+    elif args.batch == 1:
+        kind = f"chunked prefill ({args.prefill} new tokens)"
+    else:
+        kind = f"mixed ({args.prefill}-token prefills + decode)"
     title = (
         f"{kind}: batch {args.batch}, context {args.context}, heads {args.heads}/{args.kv_heads}, "
         f"head size {args.head_size}, {dtype}, block size {args.block_size}"
