@@ -4,12 +4,14 @@ group by group (sequences of similar length batched, see :class:`BatchPlan`)."""
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from attn_di.backend._backend import AttentionBackend
 from attn_di.backend._impl import AttentionImpl
 from attn_di.backend._metadata import AttentionMetadata
+from attn_di.backend._types import AttentionType
 from attn_di.backends._common import (
     BatchPlan,
     SeqGroup,
@@ -19,7 +21,22 @@ from attn_di.backends._common import (
     write_kv_cache,
 )
 
-__all__ = ["GroupedAttentionImpl"]
+__all__ = ["GroupedAttentionImpl", "TorchCPUBackend"]
+
+
+class TorchCPUBackend(AttentionBackend):
+    """What attn_di's torch backends have in common: fp32/bf16/fp16; decoder, encoder and
+    encoder-only attention; autograd (FLEX_ATTENTION turns it off); the CPU only (the ops are
+    device-generic, but no GPU was tested)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+    supported_attn_types: ClassVar[tuple[str, ...]] = (
+        AttentionType.DECODER,
+        AttentionType.ENCODER,
+        AttentionType.ENCODER_ONLY,
+    )
+    supports_backward: ClassVar[bool] = True
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
 
 class GroupedAttentionImpl(AttentionImpl):

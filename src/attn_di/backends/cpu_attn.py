@@ -22,18 +22,17 @@ import torch
 
 from attn_di.backend._backend import AttentionBackend
 from attn_di.backend._metadata import AttentionMetadata
-from attn_di.backend._types import AttentionType
 from attn_di.backends._common import (
     SeqGroup,
     alibi_bias,
     uses_cache,
 )
-from attn_di.backends._grouped import GroupedAttentionImpl
+from attn_di.backends._grouped import GroupedAttentionImpl, TorchCPUBackend
 
 __all__ = ["CPUAttentionBackend", "CPUAttentionImpl"]
 
 
-class CPUAttentionBackend(AttentionBackend):
+class CPUAttentionBackend(TorchCPUBackend):
     """Paged attention in plain torch ops: every feature, any head or block size.
 
     Supports fp32/bf16/fp16 on CPU, sinks, sliding window, soft cap,
@@ -41,16 +40,6 @@ class CPUAttentionBackend(AttentionBackend):
     chunked prefill and decode. Autograd flows through it (no in-place ops on inputs other
     than the cache write).
     """
-
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
-    supported_attn_types: ClassVar[tuple[str, ...]] = (
-        AttentionType.DECODER,
-        AttentionType.ENCODER,
-        AttentionType.ENCODER_ONLY,
-    )
-    supports_backward: ClassVar[bool] = True
-    # Only CPU is tested (no GPU in CI); the ops are device-generic.
-    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
     @staticmethod
     def get_name() -> str:

@@ -29,11 +29,10 @@ import torch
 from torch.nn.attention import flex_attention as flex
 
 from attn_di.backend._backend import AttentionBackend
-from attn_di.backend._types import AttentionType
 from attn_di.backends._common import (
     SeqGroup,
 )
-from attn_di.backends._grouped import GroupedAttentionImpl
+from attn_di.backends._grouped import GroupedAttentionImpl, TorchCPUBackend
 from attn_di.exceptions import UnsupportedFeatureError
 
 __all__ = ["COMPILE_ENV_VAR", "FlexAttentionBackend", "FlexAttentionImpl"]
@@ -44,7 +43,7 @@ COMPILE_ENV_VAR = "ATTN_DI_FLEX_COMPILE"
 _EAGER_WARNING = r"flex_attention called without torch\.compile\(\)"
 
 
-class FlexAttentionBackend(AttentionBackend):
+class FlexAttentionBackend(TorchCPUBackend):
     """Paged attention through torch's flex attention.
 
     Supports fp32/bf16/fp16, any head or block size, GQA/MQA, sliding window, soft cap,
@@ -52,15 +51,7 @@ class FlexAttentionBackend(AttentionBackend):
     through the eager CPU path is not supported (``supports_backward = False``).
     """
 
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
-    supported_attn_types: ClassVar[tuple[str, ...]] = (
-        AttentionType.DECODER,
-        AttentionType.ENCODER,
-        AttentionType.ENCODER_ONLY,
-    )
     supports_backward: ClassVar[bool] = False
-    # Only CPU is tested (no GPU in CI); the ops are device-generic.
-    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
     @staticmethod
     def get_name() -> str:

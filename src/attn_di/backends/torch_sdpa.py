@@ -14,33 +14,22 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from attn_di.backend._backend import AttentionBackend
-from attn_di.backend._types import AttentionType
 from attn_di.backends._common import (
     SeqGroup,
     alibi_bias,
 )
-from attn_di.backends._grouped import GroupedAttentionImpl
+from attn_di.backends._grouped import GroupedAttentionImpl, TorchCPUBackend
 
 __all__ = ["TorchSDPABackend", "TorchSDPAImpl"]
 
 
-class TorchSDPABackend(AttentionBackend):
+class TorchSDPABackend(TorchCPUBackend):
     """Paged attention through torch's fused SDPA kernel.
 
     Supports fp32/bf16/fp16, any head or block size, GQA/MQA, sliding window, ALiBi and
     sinks (as additive masks); decoder, encoder and encoder-only attention. Refuses
     ``logits_soft_cap`` (SDPA has no score modifier).
     """
-
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
-    supported_attn_types: ClassVar[tuple[str, ...]] = (
-        AttentionType.DECODER,
-        AttentionType.ENCODER,
-        AttentionType.ENCODER_ONLY,
-    )
-    supports_backward: ClassVar[bool] = True
-    # Only CPU is tested (no GPU in CI); the ops are device-generic.
-    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
     @staticmethod
     def get_name() -> str:
