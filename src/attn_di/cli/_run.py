@@ -105,11 +105,10 @@ def _check_memory(args: argparse.Namespace, element: int, backends: int) -> None
     """Refuse a batch whose tensors would not fit comfortably in this machine's memory."""
     import os
 
-    prefills = (args.batch + 1) // 2 if args.prefill else 0
-    seq_lens = [args.context + (args.prefill if i < prefills else 1) for i in range(args.batch)]
+    query_lens, seq_lens = _batch_lengths(args)
     blocks = sum(-(-n // args.block_size) for n in seq_lens) + 1
     cache = 2 * blocks * args.block_size * args.kv_heads * args.head_size
-    tokens = sum(n - args.context for n in seq_lens)
+    tokens = sum(query_lens)
     # the shared cache + one copy per backend run, the float64 reference's per-sequence K/V and
     # scores, and the queries/outputs
     largest = max(seq_lens)
@@ -169,6 +168,14 @@ def _backends(
     return members, skipped
 
 
+def _batch_lengths(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """Per-sequence query lengths and sequence lengths: the first half of the batch are
+    ``--prefill``-token chunked prefills when ``--prefill`` is set, the rest decode one token."""
+    prefills = (args.batch + 1) // 2 if args.prefill else 0
+    query_lens = [args.prefill if i < prefills else 1 for i in range(args.batch)]
+    return query_lens, [args.context + q for q in query_lens]
+
+
 def _attention_free(backend_cls: Any, config: AttentionSelectorConfig) -> bool:
     shape = backend_cls.get_kv_cache_shape(1, config.block_size or 16, 1, config.head_size)
     return 0 in tuple(shape)
@@ -181,9 +188,7 @@ def _build(args: argparse.Namespace, dtype: Any) -> _Problem:
     from attn_di.reference import reference_attention
 
     generator = torch.Generator().manual_seed(args.seed)
-    prefills = (args.batch + 1) // 2 if args.prefill else 0
-    query_lens = [args.prefill if i < prefills else 1 for i in range(args.batch)]
-    seq_lens = [args.context + q for q in query_lens]
+    query_lens, seq_lens = _batch_lengths(args)
     blocks_per_seq = [-(-s // args.block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 1  # block 0 stays unused, as a guard
     order = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
