@@ -21,6 +21,8 @@ def test_all_is_pinned_and_sorted() -> None:
         "InvalidBackendNameError",
         "InvalidBackendTypeError",
         "InvalidClassPathError",
+        "MambaAttentionBackendEnum",
+        "MambaBackendContainer",
         "NoValidBackendError",
         "OverrideBackendFixture",
         "PluginRecord",
@@ -39,6 +41,7 @@ def test_all_is_pinned_and_sorted() -> None:
         "ray_runtime_env",
         "register_backend",
         "select_backend",
+        "set_auto_propagation",
         "use_container",
     ]
 
@@ -56,6 +59,8 @@ def test_public_classes_present_themselves_under_the_package() -> None:
         attn_di.BackendContainer,
         attn_di.BackendOverride,
         attn_di.BackendProvider,
+        attn_di.MambaAttentionBackendEnum,
+        attn_di.MambaBackendContainer,
         attn_di.OverrideBackendFixture,
         attn_di.PluginRecord,
         attn_di.PluginReport,

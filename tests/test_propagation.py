@@ -7,7 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -15,13 +15,17 @@ import pytest
 from attn_di import (
     AttentionBackendEnum,
     BackendContainer,
+    MambaAttentionBackendEnum,
     RegistrationsEnvError,
     UnexportableBackendError,
     get_container,
     propagate_registrations,
     ray_runtime_env,
     register_backend,
+    set_auto_propagation,
+    use_container,
 )
+from attn_di.exceptions import UnexportableBackendWarning
 
 CUSTOM = AttentionBackendEnum.CUSTOM
 ENV = "ATTN_DI_REGISTRATIONS"
@@ -235,3 +239,96 @@ def test_ray_runtime_env_refuses_main_module_classes_and_bad_arguments() -> None
     register_backend(AttentionBackendEnum.CUSTOM, "__main__.DriverBackend")
     with pytest.raises(UnexportableBackendError, match="__main__ module, which Ray workers"):
         ray_runtime_env()
+
+
+# -- automatic propagation --------------------------------------------------------------------
+@pytest.fixture(name="auto")
+def _auto() -> Iterator[None]:
+    """Automatic propagation on for the test (attn_di's test isolation turns it off)."""
+    previous = set_auto_propagation(True)
+    yield
+    set_auto_propagation(previous)
+
+
+@pytest.mark.usefixtures("auto")
+def test_spawn_child_sees_a_registration_with_no_propagation_call(
+    make_module: Callable[[str, str], str], new_name: Callable[[], str]
+) -> None:
+    """A spawn child started after register_backend() resolves it: no propagate call at all."""
+    module = make_module("auto_child_pkg.mod", BACKEND_MODULE)
+    runtime_name = new_name()
+    register_backend(CUSTOM, f"{module}.Backend")
+    register_backend(runtime_name, f"{module}:Backend", is_mamba=True)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        resolved = pool.submit(resolve_in_child, ["CUSTOM"]).result(timeout=120)
+        mamba = pool.submit(resolve_mamba_in_child, runtime_name).result(timeout=120)
+    assert resolved == {"CUSTOM": (f"{module}.Backend", "registered", "Backend")}
+    assert mamba == f"{module}:Backend"
+
+
+def resolve_mamba_in_child(name: str) -> str:
+    """Run in a child process: the path of a Mamba member."""
+    return MambaAttentionBackendEnum[name].get_path()
+
+
+@pytest.mark.usefixtures("auto")
+def test_the_variable_follows_registrations_clears_and_containers() -> None:
+    """Registration, clear_override and use_container enter/exit rewrite the variable."""
+    register_backend(CUSTOM, "collections.OrderedDict")
+    assert json.loads(os.environ[ENV]) == {"CUSTOM": "collections.OrderedDict"}
+    with use_container():
+        assert ENV not in os.environ  # the new default has no registrations
+        register_backend(AttentionBackendEnum.FLASH_ATTN, "collections.Counter")
+        assert json.loads(os.environ[ENV]) == {"FLASH_ATTN": "collections.Counter"}
+    assert json.loads(os.environ[ENV]) == {"CUSTOM": "collections.OrderedDict"}
+    CUSTOM.clear_override()
+    assert ENV not in os.environ
+
+
+@pytest.mark.usefixtures("auto")
+def test_a_local_class_is_left_out_with_a_warning() -> None:
+    """A class defined in a function registers fine; it is left out with a warning naming it."""
+    register_backend(AttentionBackendEnum.FLASH_ATTN, "collections.Counter")
+
+    class LocalBackend:
+        pass
+
+    with pytest.warns(UnexportableBackendWarning, match=r"CUSTOM .*LocalBackend"):
+        register_backend(CUSTOM, LocalBackend)
+    assert get_container().backend(CUSTOM) is LocalBackend
+    assert json.loads(os.environ[ENV]) == {"FLASH_ATTN": "collections.Counter"}
+    with pytest.raises(UnexportableBackendError, match="LocalBackend"):
+        propagate_registrations()  # the explicit form stays strict
+
+
+@pytest.mark.usefixtures("auto")
+def test_an_explicit_handle_wins_while_active() -> None:
+    """While a propagate_registrations() handle is active, its snapshot stays in the variable."""
+    register_backend(CUSTOM, "collections.OrderedDict")
+    with propagate_registrations() as handle:
+        register_backend(AttentionBackendEnum.FLASH_ATTN, "collections.Counter")
+        assert os.environ[ENV] == handle.environ[ENV]
+    assert json.loads(os.environ[ENV]) == {
+        "CUSTOM": "collections.OrderedDict",
+        "FLASH_ATTN": "collections.Counter",
+    }
+
+
+def test_the_switch_turns_it_off() -> None:
+    """set_auto_propagation(False) (the test default) leaves the variable alone."""
+    assert set_auto_propagation(False) is False
+    register_backend(CUSTOM, "collections.OrderedDict")
+    assert ENV not in os.environ
+
+
+def test_the_environment_switch_turns_it_off_at_import() -> None:
+    """ATTN_DI_AUTO_PROPAGATE=0 at start-up: registrations are not written."""
+    code = (
+        "import os, attn_di\n"
+        "attn_di.register_backend(attn_di.AttentionBackendEnum.CUSTOM, 'collections.Counter')\n"
+        "print('ATTN_DI_REGISTRATIONS' in os.environ)"
+    )
+    off = _run_python(code, {"ATTN_DI_AUTO_PROPAGATE": "0"})
+    on = _run_python(code, {})
+    assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True")

@@ -69,4 +69,4 @@ def test_ray_task_and_actor_resolve_the_drivers_registrations() -> None:
         assert ray.get(actor.resolve.remote(names)) == expected
     finally:
         ray.kill(actor)
-    assert get_container().source("RAY_ATTN") == "default"
+    assert get_container().source("RAY_ATTN") == "registered"  # vLLM >= 0.32: a new name registers

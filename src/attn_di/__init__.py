@@ -1,13 +1,15 @@
 """attn_di: attention backends named, registered, selected, injected and tested.
 
-vLLM's ``AttentionBackendEnum`` registry rebuilt on dependency-injector: every member is
-a lazy provider in a :class:`BackendContainer`; :func:`register_backend` and
-``member.clear_override()`` act on the default container (:func:`get_container`);
-``with container.override(member, impl):`` swaps an implementation for one block.
+vLLM's ``AttentionBackendEnum`` and ``MambaAttentionBackendEnum`` registries rebuilt on
+dependency-injector, with vLLM's API: every member is a lazy provider in a
+:class:`BackendContainer`; :func:`register_backend` and ``member.clear_override()`` act on
+the default container (:func:`get_container`); ``with container.override(member, impl):``
+swaps an implementation for one block.
 
 Importing attn_di never imports torch, vLLM or any backend module, and never scans entry
 points (:func:`load_plugins` does). A process started with ``ATTN_DI_REGISTRATIONS`` set
-(:func:`propagate_registrations`, :func:`ray_runtime_env`) applies it at import.
+(automatically by every registration, or by :func:`propagate_registrations` and
+:func:`ray_runtime_env`) applies it at import.
 """
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "InvalidBackendNameError",
     "InvalidBackendTypeError",
     "InvalidClassPathError",
+    "MambaAttentionBackendEnum",
+    "MambaBackendContainer",
     "NoValidBackendError",
     "OverrideBackendFixture",
     "PluginRecord",
@@ -41,17 +45,22 @@ __all__ = [
     "ray_runtime_env",
     "register_backend",
     "select_backend",
+    "set_auto_propagation",
     "use_container",
 ]
 
 import os as _os
 from typing import TYPE_CHECKING, Any
 
-from attn_di._container import BackendContainer
+from attn_di._container import BackendContainer, MambaBackendContainer
 from attn_di._default import get_container, register_backend, use_container
 from attn_di._deprecated import DeprecatedBackendAlias
-from attn_di._enum import AttentionBackendEnum, parse_backend_name
+from attn_di._enum import AttentionBackendEnum, MambaAttentionBackendEnum, parse_backend_name
 from attn_di._overrides import BackendOverride
+from attn_di._propagation import (
+    apply_inherited_registrations as _apply_inherited_registrations,
+)
+from attn_di._propagation import set_auto_propagation
 from attn_di._provider import BackendProvider
 from attn_di.exceptions import (
     AttnDIError,
@@ -114,11 +123,16 @@ def __dir__() -> list[str]:
 _Backend = DeprecatedBackendAlias
 """Deprecated alias of :class:`AttentionBackendEnum` (vLLM's old name); warns on use."""
 
-for _exported in (AttentionBackendEnum, BackendContainer, BackendOverride, BackendProvider):
+for _exported in (
+    AttentionBackendEnum,
+    BackendContainer,
+    BackendOverride,
+    BackendProvider,
+    MambaAttentionBackendEnum,
+    MambaBackendContainer,
+):
     _exported.__module__ = "attn_di"
 del _exported
 
 if _os.environ.get("ATTN_DI_REGISTRATIONS") is not None:  # a worker process: apply the parent's
-    from attn_di._propagation import apply_inherited_registrations
-
-    apply_inherited_registrations()
+    _apply_inherited_registrations()

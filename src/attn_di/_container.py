@@ -1,54 +1,65 @@
-"""``BackendContainer``: a dependency-injector container with one lazy provider per member,
-plus the selection providers (``attention``, ``candidates``, ``selection``, ``selected``).
+"""Containers: one lazy :class:`BackendProvider` per member of a backend enum.
 
-The process-wide default container lives in :mod:`attn_di._default`.
+``BackendContainer`` holds the attention members, a ``mamba`` sub-container
+(``MambaBackendContainer``, the Mamba members: ``container.mamba.MAMBA2``,
+``Provide[BackendContainer.mamba.MAMBA2]``), and the selection providers (``attention``,
+``candidates``, ``selection``, ``selected``). Every method takes members of either enum:
+``container.backend(MambaAttentionBackendEnum.MAMBA2)`` resolves through the sub-container.
+Names given as strings are the attention enum's (``container.mamba.backend("MAMBA2")`` for
+Mamba names). The process-wide default container lives in :mod:`attn_di._default`.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 
 from dependency_injector import containers, providers
 
-from attn_di._enum import (
-    AttentionBackendEnum,
-    add_runtime_member,
-    check_new_name,
-    on_new_member,
-    on_removed_member,
-)
+from attn_di._enum import ATTENTION, MAMBA, AttentionBackendEnum, MambaAttentionBackendEnum
+from attn_di._family import BackendEnum, BackendFamily, family_of, on_new_member, on_removed_member
 from attn_di._overrides import BackendOverride, ContainerOverride, override_target
 from attn_di._paths import check_class_path, resolves_to
-from attn_di._provider import LOCAL_LAYERS, STATE_LOCK, BackendProvider, Layer, Target
+from attn_di._provider import BackendProvider, Layer, Target
+from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK, notify_registrations_changed
 from attn_di.exceptions import (
     InvalidBackendNameError,
     InvalidBackendTypeError,
     UnexportableBackendError,
-    UnknownBackendError,
+    UnexportableBackendWarning,
 )
 
-__all__ = ["BackendContainer", "BackendKey"]
+__all__ = ["SELECTION_HOOKS", "BackendContainer", "BackendKey", "MambaBackendContainer"]
 
-BackendKey = AttentionBackendEnum | str
-"""A member, or a member's exact name."""
+BackendKey = BackendEnum | str
+"""A member (of either enum), or an attention member's exact name."""
+
+SELECTION_HOOKS: dict[str, Callable[..., Any]] = {}
+"""``"candidates"`` and ``"select"``: installed by :mod:`attn_di._selection` at import."""
 
 _C = TypeVar("_C")
 _MISSING: Any = object()
 _live_containers: weakref.WeakSet[_ContainerAPI] = weakref.WeakSet()
 _serials = itertools.count()
+_warned_unexportable: set[tuple[str, str]] = set()
 
 
 class _ContainerAPI:
-    """The methods of a :class:`BackendContainer` instance."""
+    """The methods of a container instance (``BackendContainer()``, ``container.mamba``)."""
 
+    family: ClassVar[BackendFamily]
+    _display_name: ClassVar[str]
     providers: dict[str, Any]
     wired_to_modules: list[Any]
     wired_to_packages: list[Any]
     _by_key: dict[object, BackendProvider]
     _resolved: dict[object, type[Any]]
+    _subs: dict[BackendFamily, _ContainerAPI]
+    _outer: list[_ContainerAPI]
     _warn_unresolved: bool
     _serial: int
     candidates: Any
@@ -60,7 +71,7 @@ class _ContainerAPI:
         Raises:
             UnknownBackendError: no such member (lists the valid names, suggests one).
             BackendNotRegisteredError: the member has no path (CUSTOM before registration).
-            BackendImportError: its path does not import.
+            BackendImportError: its path does not import, or names something not a class.
         """
         if not LOCAL_LAYERS.get():
             try:
@@ -75,7 +86,8 @@ class _ContainerAPI:
     def provider(self, member: BackendKey | BackendProvider) -> BackendProvider:
         """The :class:`BackendProvider` of ``member`` in this container.
 
-        ``member`` may also be a provider (``BackendContainer.CUSTOM``): its member is used.
+        ``member`` may be a member of either enum, a name of this container's enum, or a
+        provider (``BackendContainer.CUSTOM``): its member is used.
 
         Raises:
             UnknownBackendError: no such member.
@@ -87,14 +99,31 @@ class _ContainerAPI:
             pass
         if isinstance(member, BackendProvider):
             return self.provider(member.member)
+        if isinstance(member, BackendEnum):
+            family = family_of(member)
+            sub = self._subs.get(family)
+            if sub is not None:
+                return sub.provider(member)
+            if family is self.family:  # a member removed by hand, as vLLM's tests do
+                raise self.family.unknown(member.name)
+            raise InvalidBackendTypeError(
+                "member", member, f"a member of {self.family.enum.__name__}"
+            )
         if not isinstance(member, str):
             raise InvalidBackendTypeError(
-                "member", member, "an AttentionBackendEnum member or its name"
+                "member", member, f"an {self.family.enum.__name__} member or its name"
             )
-        raise UnknownBackendError(member, list(AttentionBackendEnum.__members__))
+        error = self.family.unknown(member)
+        for family in self._subs:
+            if member in family.enum._member_map_:
+                error.hint = (
+                    f"{member} is a {family.enum.__name__} member: pass "
+                    f"{family.enum.__name__}.{member}, or use container.{family.key}"
+                )
+        raise error
 
     def get_path(self, member: BackendKey, include_classname: bool = True) -> str:
-        """The class path ``member`` resolves to here; see :meth:`AttentionBackendEnum.get_path`."""
+        """The class path ``member`` resolves to here; see :meth:`BackendEnum.get_path`."""
         return self.provider(member).get_path(include_classname)
 
     def is_overridden(self, member: BackendKey) -> bool:
@@ -109,12 +138,32 @@ class _ContainerAPI:
 
     # -- registrations ----------------------------------------------------------------
     @overload
-    def register(self, member: BackendKey) -> Callable[[type[_C]], type[_C]]: ...
+    def register(
+        self, member: BackendKey | BackendProvider, *, is_mamba: bool = False
+    ) -> Callable[[type[_C]], type[_C]]: ...
     @overload
-    def register(self, member: BackendKey, class_path: str | type[Any]) -> Callable[[_C], _C]: ...
-    def register(self, member: BackendKey, class_path: Any = None) -> Callable[[Any], Any]:
-        """Register a class for ``member`` here; see :func:`register_backend`."""
-        _check_key_or_new_name(member, implicit=True)
+    def register(
+        self,
+        member: BackendKey | BackendProvider,
+        class_path: str | type[Any],
+        *,
+        is_mamba: bool = False,
+    ) -> Callable[[_C], _C]: ...
+    def register(
+        self, member: Any, class_path: Any = None, *, is_mamba: bool = False
+    ) -> Callable[[Any], Any]:
+        """Register a class for ``member`` here; see :func:`attn_di.register_backend`."""
+        if isinstance(member, BackendProvider):
+            member = member.member
+        home = self._home(member, is_mamba)
+        if home is not self:
+            return home.register(member, class_path)
+        if isinstance(member, str) and member not in self.family.enum._member_map_:
+            self.family.check_new_name(member)
+        elif not isinstance(member, (str, BackendEnum)):
+            raise InvalidBackendTypeError(
+                "backend", member, "a backend enum member, its name, or a new member's name"
+            )
         if class_path is None:
 
             def decorator(backend_cls: type[_C]) -> type[_C]:
@@ -129,36 +178,50 @@ class _ContainerAPI:
         self._register(member, _registration_target(class_path))
         return _identity
 
-    def clear_override(self, member: BackendKey) -> None:
-        """Forget ``member``'s registration here (no-op if none); override blocks are untouched."""
-        provider = self.provider(member)
-        with STATE_LOCK:
-            provider.set_registration(None)
+    def clear_override(self, member: BackendKey | BackendProvider) -> None:
+        """Forget ``member``'s registration here (no-op if none); override blocks are untouched.
 
-    def export_registrations(self) -> dict[str, str]:
-        """A JSON-serialisable snapshot ``{member name: dotted path}`` of the registrations.
+        A runtime member returns to its value (the path it was created with)."""
+        provider = self.provider(member)
+        with REGISTRY_LOCK:
+            changed = provider._registered is not None
+            provider.set_registration(None)
+        if changed:
+            notify_registrations_changed(self._top())
+
+    def export_registrations(self, strict: bool = True) -> dict[str, str]:
+        """A JSON-serialisable snapshot ``{name: dotted path}`` of the registrations.
 
         Runtime members are included (with their registered or default path), so that
-        :meth:`apply_registrations` can recreate them in another process. Override blocks are
-        scoped and never exported.
+        :meth:`apply_registrations` can recreate them in another process. A sub-container's
+        names carry its key (``"mamba:CUSTOM"``). Override blocks are scoped, never exported.
+
+        Args:
+            strict: raise for a class with no importable path; False leaves it out with an
+                :class:`~attn_di.exceptions.UnexportableBackendWarning` naming it (once).
 
         Raises:
-            UnexportableBackendError: a registered class whose ``module.qualname`` does not
-                import back to it (e.g. defined inside a function).
+            UnexportableBackendError: (strict) a registered class whose ``module.qualname`` does
+                not import back to it (e.g. defined inside a function).
         """
         snapshot: dict[str, str] = {}
-        for name, provider in self._providers_by_name().items():
-            target = provider._registered
-            if target is None and name in _BUILTIN_NAMES:
-                continue
-            target = target or provider._default
-            if target is None:
-                continue
-            if target.has_object and not resolves_to(target.path, target.load(name)):
-                raise UnexportableBackendError(
-                    name, target.path, "does not import back to the same class in a new process"
-                )
-            snapshot[name] = target.path
+        for prefix, container in self._families():
+            builtin = container.family.builtin
+            for provider in container._own_providers():
+                name = provider.name
+                target = provider._registered
+                if target is None and name in builtin:
+                    continue
+                target = target or provider._default
+                if target is None:
+                    continue
+                if target.has_object and not _exportable(target, name, strict):
+                    reason = "does not import back to the same class in a new process"
+                    if strict:
+                        raise UnexportableBackendError(name, target.path, reason)
+                    _warn_unexportable(name, target.path, reason)
+                    continue
+                snapshot[prefix + name] = target.path
         return snapshot
 
     def apply_registrations(self, snapshot: Mapping[str, str]) -> None:
@@ -169,30 +232,37 @@ class _ContainerAPI:
 
         Raises:
             InvalidBackendTypeError: not a mapping of strings to strings.
-            InvalidBackendNameError: a new name that is refused.
+            InvalidBackendNameError: a new name that is refused, or an unknown family key.
             InvalidClassPathError: a malformed path.
         """
         if not isinstance(snapshot, Mapping):
             raise InvalidBackendTypeError("snapshot", snapshot, "a mapping {name: class path}")
-        new_names: dict[str, str] = {}
-        for name, class_path in snapshot.items():
-            if not isinstance(name, str):
-                raise InvalidBackendTypeError("snapshot key", name, "a member name string")
+        by_prefix = {prefix: container for prefix, container in self._families()}
+        plan: list[tuple[_ContainerAPI, str, str]] = []
+        new_names: set[tuple[str, str]] = set()
+        for key, class_path in snapshot.items():
+            if not isinstance(key, str):
+                raise InvalidBackendTypeError("snapshot key", key, "a member name string")
             if not isinstance(class_path, str):
-                raise InvalidBackendTypeError(f"snapshot[{name!r}]", class_path, "a class path")
+                raise InvalidBackendTypeError(f"snapshot[{key!r}]", class_path, "a class path")
             check_class_path(class_path)
-            if name not in AttentionBackendEnum.__members__:
-                check_new_name(name)
-                if name.upper() in new_names:
-                    raise InvalidBackendNameError(
-                        name, f"the snapshot also adds {new_names[name.upper()]!r}"
-                    )
-                new_names[name.upper()] = name
-        for name, class_path in snapshot.items():
-            if name in AttentionBackendEnum.__members__:
-                self._register(name, Target.of_path(class_path, "registered"))
+            prefix, _, name = key.rpartition(":")
+            container = by_prefix.get(f"{prefix}:" if prefix else "")
+            if container is None:
+                raise InvalidBackendNameError(
+                    key, f"unknown family {prefix!r}; known: {sorted(by_prefix)}"
+                )
+            if name not in container.family.enum._member_map_:
+                container.family.check_new_name(name)
+                if (prefix, name) in new_names:
+                    raise InvalidBackendNameError(key, "the snapshot adds it twice")
+                new_names.add((prefix, name))
+            plan.append((container, name, class_path))
+        for container, name, class_path in plan:
+            if name in container.family.enum._member_map_:
+                container._register(name, Target.of_path(class_path, "registered"))
             else:
-                AttentionBackendEnum.register(name, class_path)
+                container.family.add_member(name, class_path)
 
     # -- overrides --------------------------------------------------------------------
     def override(
@@ -201,9 +271,9 @@ class _ContainerAPI:
         """Override backends, at once, until the returned handle is exited or restored.
 
         ``with container.override(AttentionBackendEnum.TRITON_ATTN, FakeBackend):`` or
-        ``container.override({member: impl, ...})``. The override is a layer above the
-        registrations: on exit exactly this layer is removed (also on an exception and when
-        blocks exit out of order); registrations made inside the block are kept.
+        ``container.override({member: impl, ...})``; members of either enum. The override is a
+        layer above the registrations: on exit exactly this layer is removed (also on an
+        exception and when blocks exit out of order); registrations made inside are kept.
 
         Args:
             member: a member or its name, or a mapping ``{member: impl}``. A dependency-injector
@@ -211,14 +281,15 @@ class _ContainerAPI:
                 handle undoes it on exit, innermost first).
             impl: a class, a dotted class path, or any callable object (e.g. a
                 ``mocker.Mock(spec=...)``), returned as is by resolution.
-            local: visible only in the current thread / asyncio task (a ContextVar).
+            local: visible only in the current thread / asyncio task (a ContextVar) and in
+                tasks it starts.
 
         Raises:
             UnknownBackendError, InvalidBackendTypeError, InvalidClassPathError: nothing changes.
         """
         if impl is not _MISSING and not local:
             # The common case, kept short (it is timed against dependency-injector's override).
-            key_ok = isinstance(member, (str, AttentionBackendEnum))
+            key_ok = isinstance(member, (str, BackendEnum))
             provider = self._by_key.get(member) if key_ok else None
             if provider is not None:
                 target = override_target(impl, local=False)
@@ -246,7 +317,7 @@ class _ContainerAPI:
                 hint="container.override(AttentionBackendEnum.X, MyBackend)",
             )
         targets: dict[BackendProvider, Target] = {}
-        impls: dict[AttentionBackendEnum, Any] = {}
+        impls: dict[BackendEnum, Any] = {}
         for key, value in requested:
             provider = self.provider(key)
             if provider in targets:
@@ -259,10 +330,14 @@ class _ContainerAPI:
         handle.apply()
         return handle
 
-    def active_overrides(self) -> list[AttentionBackendEnum]:
+    def active_overrides(self) -> list[BackendEnum]:
         """Members with a global override layer or a dependency-injector override active here
-        (used to catch leaks in tests)."""
-        return [p.member for p in self._providers_by_name().values() if p._layers or p.overridden]
+        or in a sub-container (used to catch leaks in tests)."""
+        return [p.member for p in self.all_providers() if p._layers or p.overridden]
+
+    def all_providers(self) -> list[BackendProvider]:
+        """Every provider here and in the sub-containers, the primary family first."""
+        return [p for _, container in self._families() for p in container._own_providers()]
 
     # -- wiring -----------------------------------------------------------------------
     def wire(
@@ -285,36 +360,72 @@ class _ContainerAPI:
         )
 
     # -- internals --------------------------------------------------------------------
+    def _home(self, member: object, is_mamba: bool) -> _ContainerAPI:
+        """The container (this one or a sub-container) whose enum ``member`` belongs to."""
+        if isinstance(member, BackendEnum):
+            family = family_of(member)
+        elif isinstance(member, str) and is_mamba:
+            family = MAMBA
+        else:
+            return self
+        if family is self.family:
+            return self
+        sub = self._subs.get(family)
+        if sub is None:
+            raise InvalidBackendTypeError(
+                "backend", member, f"a member of {self.family.enum.__name__} in this container"
+            )
+        return sub
+
     def _register(self, member: BackendKey, target: Target) -> None:
-        if isinstance(member, str) and member not in AttentionBackendEnum.__members__:
-            add_runtime_member(
+        if isinstance(member, str) and member not in self.family.enum._member_map_:
+            # vLLM >= 0.32: a new name creates the member (valued by the path) and records the
+            # registration, so is_overridden() is True and clear_override() returns to the value.
+            new = self.family.add_member(
                 member, target.path, target.load(member) if target.has_object else None
             )
-            return
+            member = new
         provider = self.provider(member)
-        with STATE_LOCK:
+        with REGISTRY_LOCK:
             provider.set_registration(target)
+        notify_registrations_changed(self._top())
+
+    def _own_providers(self) -> list[BackendProvider]:
+        """This container's providers, one per live member of its enum, in enum order."""
+        by_key = dict(self._by_key)
+        found = [by_key.get(member) for member in self.family.members()]
+        return [p for p in found if p is not None]
+
+    def _families(self) -> list[tuple[str, _ContainerAPI]]:
+        return [("", self), *((f"{f.key}:", sub) for f, sub in self._subs.items())]
+
+    def _top(self) -> _ContainerAPI:
+        return self._outer[0]._top() if self._outer else self
 
     def _providers_by_name(self) -> dict[str, BackendProvider]:
-        return {p.name: p for p in self._by_key.values()}
+        return {p.name: p for p in self._own_providers()}
 
     def __repr__(self) -> str:
         by_name = self._providers_by_name()
         registered = [n for n, p in by_name.items() if p._registered is not None]
         overridden = [n for n, p in by_name.items() if p._layers]
         return (
-            f"<BackendContainer members={len(by_name)} registered={registered} "
-            f"overridden={overridden}>"
+            f"<{self._display_name} members={len(by_name)} registered={registered} "
+            f"overridden={overridden}"
+            + "".join(f" {family.key}={sub!r}" for family, sub in self._subs.items())
+            + ">"
         )
 
 
-class _BackendContainerInstance(_ContainerAPI, containers.DynamicContainer):  # type: ignore[misc]
-    """The type of ``BackendContainer()`` instances (dependency-injector makes a copy)."""
+class _ContainerInstance(_ContainerAPI, containers.DynamicContainer):  # type: ignore[misc]
+    """The type of container instances (dependency-injector makes a copy of the class)."""
 
     def __init__(self) -> None:
         self._serial = next(_serials)
         self._by_key = {}
         self._resolved = {}
+        self._subs = {}
+        self._outer = []
         self._warn_unresolved = False
         super().__init__()
         _live_containers.add(self)
@@ -325,20 +436,25 @@ class _BackendContainerInstance(_ContainerAPI, containers.DynamicContainer):  # 
             self._by_key[value.member] = value
             self._by_key[value.name] = value
             value.attach(self._resolved)
+            for outer in self._outer:
+                value.attach_outer(outer._resolved)
+        elif isinstance(value, providers.Container):
+            sub = value.container
+            if isinstance(sub, _ContainerAPI) and sub.family is not self.family:
+                self._subs[sub.family] = sub
+                sub._outer.append(self)
+                for provider in sub._own_providers():
+                    provider.attach_outer(self._resolved)
 
 
-def _default_candidates(device: Any, config: Any) -> Any:
-    """attn_di's candidate policy (:func:`attn_di._selection.default_candidates`), loaded lazily."""
-    from attn_di._selection import default_candidates
-
-    return default_candidates(device, config)
+class _AttentionContainerInstance(_ContainerInstance):
+    family = ATTENTION
+    _display_name = "BackendContainer"
 
 
-def _select_from_settings(container: Any, settings: Any) -> Any:
-    """The ``selection`` provider's callable (:func:`attn_di._selection.select_from_settings`)."""
-    from attn_di._selection import select_from_settings
-
-    return select_from_settings(container, settings)
+class _MambaContainerInstance(_ContainerInstance):
+    family = MAMBA
+    _display_name = "MambaBackendContainer"
 
 
 if TYPE_CHECKING:
@@ -357,17 +473,47 @@ else:
 class _BackendContainerMeta(_DeclarativeMeta):
     def __instancecheck__(self, instance: object) -> bool:
         # ``BackendContainer()`` returns a copy of another type: make isinstance() say yes.
-        if self is BackendContainer and isinstance(instance, _BackendContainerInstance):
+        expected = _INSTANCE_TYPES.get(self)
+        if expected is not None and isinstance(instance, expected):
             return True
         return super().__instancecheck__(instance)
 
 
-class BackendContainer(_DeclarativeBase, metaclass=_BackendContainerMeta):
-    """One lazy :class:`BackendProvider` per :class:`AttentionBackendEnum` member.
+class MambaBackendContainer(_DeclarativeBase, metaclass=_BackendContainerMeta):
+    """One lazy :class:`BackendProvider` per :class:`MambaAttentionBackendEnum` member.
 
-    ``Provide[BackendContainer.TRITON_ATTN]`` injects the member's class; nothing is imported
-    until a provider is called. Runtime members get a provider here and in every live
-    instance. Each instance has its own registrations and overrides.
+    Usually reached as ``container.mamba`` of a :class:`BackendContainer`; string names
+    given to its methods are Mamba names.
+    """
+
+    instance_type = _MambaContainerInstance
+
+    MAMBA1 = BackendProvider(MambaAttentionBackendEnum.MAMBA1)
+    MAMBA2 = BackendProvider(MambaAttentionBackendEnum.MAMBA2)
+    SHORT_CONV = BackendProvider(MambaAttentionBackendEnum.SHORT_CONV)
+    LINEAR = BackendProvider(MambaAttentionBackendEnum.LINEAR)
+    GDN_ATTN = BackendProvider(MambaAttentionBackendEnum.GDN_ATTN)
+    CUSTOM = BackendProvider(MambaAttentionBackendEnum.CUSTOM)
+
+
+def _candidates_hook(device: Any, config: Any) -> Any:
+    """attn_di's candidate policy (:func:`attn_di._selection.default_candidates`)."""
+    return SELECTION_HOOKS["candidates"](device, config)
+
+
+def _select_hook(container: Any, settings: Any) -> Any:
+    """The ``selection`` provider's callable (:func:`attn_di._selection.select_from_settings`)."""
+    return SELECTION_HOOKS["select"](container, settings)
+
+
+class BackendContainer(_DeclarativeBase, metaclass=_BackendContainerMeta):
+    """One lazy :class:`BackendProvider` per :class:`AttentionBackendEnum` member, and the
+    Mamba members in ``mamba`` (a :class:`MambaBackendContainer`).
+
+    ``Provide[BackendContainer.TRITON_ATTN]`` (or ``Provide[BackendContainer.mamba.MAMBA2]``)
+    injects the member's class; nothing is imported until a provider is called. Runtime
+    members get a provider here and in every live instance. Each instance has its own
+    registrations and overrides.
 
     Example::
 
@@ -377,7 +523,7 @@ class BackendContainer(_DeclarativeBase, metaclass=_BackendContainerMeta):
             assert container.backend("CPU_ATTN") is MyBackend
     """
 
-    instance_type = _BackendContainerInstance
+    instance_type = _AttentionContainerInstance
 
     FLASH_ATTN = BackendProvider(AttentionBackendEnum.FLASH_ATTN)
     FLASH_SINK_ATTN = BackendProvider(AttentionBackendEnum.FLASH_SINK_ATTN)
@@ -403,35 +549,60 @@ class BackendContainer(_DeclarativeBase, metaclass=_BackendContainerMeta):
     CPU_ATTN = BackendProvider(AttentionBackendEnum.CPU_ATTN)
     CUSTOM = BackendProvider(AttentionBackendEnum.CUSTOM)
 
+    mamba = providers.Container(MambaBackendContainer)
+    """The Mamba members' providers: ``Provide[BackendContainer.mamba.MAMBA2]``."""
+
     __self__ = providers.Self()
     attention = providers.Configuration()
     """Selection inputs: the AttentionSelectorConfig fields, plus ``device`` and ``backend``."""
-    candidates = providers.Callable(_default_candidates)
+    candidates = providers.Callable(_candidates_hook)
     """The candidate policy ``(device, config) -> [members]``; override to inject your own."""
-    selection = providers.Callable(_select_from_settings, __self__, attention)
+    selection = providers.Callable(_select_hook, __self__, attention)
     """The :class:`Selection` for the ``attention`` settings."""
     selected = selection.provided.backend_cls
     """The selected backend class: ``Provide[BackendContainer.selected]``."""
 
 
-_BUILTIN_NAMES = frozenset(AttentionBackendEnum.__members__)
+_INSTANCE_TYPES: dict[type[Any], type[_ContainerInstance]] = {
+    BackendContainer: _AttentionContainerInstance,
+    MambaBackendContainer: _MambaContainerInstance,
+}
+_DECLARATIVE: dict[BackendFamily, type[Any]] = {
+    ATTENTION: BackendContainer,
+    MAMBA: MambaBackendContainer,
+}
+for _family in _DECLARATIVE:
+    for _cls in (*_DECLARATIVE.values(), *_INSTANCE_TYPES.values()):
+        _family.reserved.update(name for name in dir(_cls) if not name.isupper())
+    _family.reserved.update({"mamba", "attention", "candidates", "selection", "selected"})
+del _family, _cls
 
 
-def _add_runtime_provider(member: AttentionBackendEnum) -> None:
-    setattr(BackendContainer, member.name, BackendProvider(member))
+def _add_runtime_provider(member: Any) -> None:
+    family = family_of(member)
+    setattr(_DECLARATIVE[family], member.name, BackendProvider(member))
     for container in list(_live_containers):
-        setattr(container, member.name, BackendProvider(member))
+        if container.family is family:
+            setattr(container, member.name, BackendProvider(member))
+    notify_registrations_changed(None)
 
 
-def _remove_runtime_provider(member: AttentionBackendEnum) -> None:
-    delattr(BackendContainer, member.name)
+def _remove_runtime_provider(member: Any) -> None:
+    family = family_of(member)
+    declarative = _DECLARATIVE[family]
+    provider = vars(declarative).get(member.name)
+    if isinstance(provider, BackendProvider) and provider.member is member:
+        delattr(declarative, member.name)
     for container in list(_live_containers):
-        provider = container._by_key.pop(member, None)
-        container._by_key.pop(member.name, None)
-        if provider is not None:
-            with STATE_LOCK:
-                provider.invalidate()
+        if container.family is not family:
+            continue
+        removed = container._by_key.pop(member, None)
+        if removed is not None and container._by_key.get(member.name) is removed:
+            del container._by_key[member.name]
+            with REGISTRY_LOCK:
+                removed.invalidate()
             delattr(container, member.name)
+    notify_registrations_changed(None)
 
 
 on_new_member(_add_runtime_provider)
@@ -446,30 +617,37 @@ def _registration_target(class_path: object) -> Target:
     raise InvalidBackendTypeError("class_path", class_path, "a dotted path string or a class")
 
 
-def _check_key_or_new_name(member: object, *, implicit: bool = False) -> None:
-    """Accept a member, an existing name, or a valid new name (typo-guarded if ``implicit``)."""
-    if isinstance(member, AttentionBackendEnum):
-        return
-    if not isinstance(member, str):
-        raise InvalidBackendTypeError(
-            "member", member, "an AttentionBackendEnum member or its name"
-        )
-    if member in AttentionBackendEnum.__members__:
-        return
-    check_new_name(member)
-    if implicit:
-        names = list(AttentionBackendEnum.__members__)
-        import difflib  # only on error paths: keeps `import attn_di` light
+def _exportable(target: Target, name: str, strict: bool) -> bool:
+    """Whether another process can import the target's class by its path.
 
-        close = difflib.get_close_matches(member, names, n=1, cutoff=0.85)
-        if close:
-            error = UnknownBackendError(member, names)
-            error.suggestion = close[0]
-            error.hint = (
-                f"did you mean {close[0]!r}? To add a new member with a name this close, "
-                f"call AttentionBackendEnum.register({member!r}, class_path) first"
-            )
-            raise error
+    Strict: the path must import back to the class now. Otherwise only a path that can never
+    import (``<locals>``) counts: a class being decorated at module level is not bound to its
+    name yet when its registration is propagated.
+    """
+    if strict:
+        return resolves_to(target.path, target.load(name))
+    return "<" not in target.path
+
+
+def _warn_unexportable(name: str, class_path: str, reason: str) -> None:
+    if (name, class_path) in _warned_unexportable:
+        return
+    _warned_unexportable.add((name, class_path))
+    warnings.warn(
+        f"the registration of {name} ({class_path}) is not propagated to worker processes: "
+        f"the class {reason}; define it at module level or register it by dotted path",
+        UnexportableBackendWarning,
+        stacklevel=_user_stacklevel(),
+    )
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside attn_di (the user's call)."""
+    package = __file__.rpartition("/")[0]
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _identity(obj: _C) -> _C:

@@ -1,5 +1,9 @@
 """The process-wide default container: :func:`get_container`, :func:`use_container`, and
-:func:`register_backend`, which acts on it."""
+:func:`register_backend`, which acts on it.
+
+Above the container and selection layers; installs itself in :data:`attn_di._state.DEFAULT`
+so that the enum members' methods (a lower layer) reach the default container.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-from attn_di import _container  # a module reference: _container and _enum import each other
+from attn_di import _container, _selection, _state
+from attn_di._provider import BackendProvider
 from attn_di.exceptions import InvalidBackendTypeError
 
 if TYPE_CHECKING:
     from attn_di._container import BackendContainer, BackendKey
+
+_ = _selection  # imported for its hooks: the container's selection providers call them
 
 __all__ = ["get_container", "register_backend", "use_container"]
 
@@ -34,6 +41,7 @@ def get_container() -> BackendContainer:
     if container is None:
         with _lock:
             container = _default or _set_default(_base_container())
+        _state.notify_registrations_changed(container)  # runtime members made before it
     return container
 
 
@@ -58,6 +66,7 @@ def use_container(container: BackendContainer | None = None) -> Iterator[Backend
         _installed.append(current)
         _set_default(current)
     _move_wiring(previous, current)
+    _state.notify_registrations_changed(current)
     try:
         yield current
     finally:
@@ -70,54 +79,79 @@ def use_container(container: BackendContainer | None = None) -> Iterator[Backend
             restored = _set_default(_installed[-1] if _installed else _base_container())
         if was_innermost:
             _move_wiring(current, restored)
+        _state.notify_registrations_changed(restored)
 
 
 @overload
 def register_backend(
-    member: BackendKey, class_path: None = None, *, container: BackendContainer | None = None
+    backend: BackendKey | BackendProvider,
+    class_path: None = None,
+    is_mamba: bool = False,
+    *,
+    container: BackendContainer | None = None,
 ) -> Callable[[type[_C]], type[_C]]: ...
 @overload
 def register_backend(
-    member: BackendKey, class_path: str | type[Any], *, container: BackendContainer | None = None
+    backend: BackendKey | BackendProvider,
+    class_path: str | type[Any],
+    is_mamba: bool = False,
+    *,
+    container: BackendContainer | None = None,
 ) -> Callable[[_C], _C]: ...
 def register_backend(
-    member: BackendKey,
+    backend: BackendKey | BackendProvider,
     class_path: str | type[Any] | None = None,
+    is_mamba: bool = False,
     *,
     container: BackendContainer | None = None,
 ) -> Callable[[Any], Any]:
     """Register a backend class for a member, directly or as a class decorator.
 
-    ``register_backend(AttentionBackendEnum.CUSTOM, "my_pkg.attn.MyBackend")`` registers a
-    path (imported lazily); ``@register_backend(AttentionBackendEnum.CUSTOM)`` registers the
-    decorated class (also one defined inside a function) and returns it unchanged. A new
-    upper-case name (``register_backend("MY_BACKEND", ...)``) adds a runtime member, for the
-    whole process, whose default is the given class; a name very close to an existing member
-    is refused as a likely typo (use ``AttentionBackendEnum.register`` for such names). The
-    last registration wins; ``clear_override()`` undoes it.
+    vLLM's signature (``vllm/v1/attention/backends/registry.py``, 0.33), so every call shape
+    of published plugins works: ``register_backend(AttentionBackendEnum.CUSTOM,
+    "my_pkg.attn.MyBackend")`` registers a path (imported lazily);
+    ``register_backend(backend=..., class_path=..., is_mamba=False)`` the same by keyword;
+    ``@register_backend(AttentionBackendEnum.CUSTOM)`` and
+    ``register_backend(AttentionBackendEnum.CUSTOM, None)(MyBackend)`` register the class
+    (also one defined inside a function) and return it unchanged. A member of
+    :class:`MambaAttentionBackendEnum` registers there. A new name
+    (``register_backend("MY_BACKEND", path)``; with ``is_mamba=True`` in the Mamba enum)
+    creates a process-wide runtime member valued by the path and records the registration, so
+    ``is_overridden()`` is True and ``clear_override()`` returns to the value, as in vLLM >=
+    0.32. The last registration wins; ``clear_override()`` undoes it.
 
     Args:
-        member: a member or its exact name (or a new member's name).
+        backend: a member of either enum, its exact name, a new member's name, or a provider
+            (``BackendContainer.CUSTOM``).
         class_path: a dotted path (``pkg.mod.Class`` or ``pkg.mod:Class``), a class, or None
             to get a decorator.
-        container: the container to register in (keyword only); the default container if None.
+        is_mamba: a string ``backend`` names a :class:`MambaAttentionBackendEnum` member.
+        container: the container to register in (keyword only, attn_di's addition); the
+            default container if None.
 
     Returns:
         The decorator; for a direct call, an identity function (as vLLM returns).
 
     Raises:
-        UnknownBackendError: a new name that looks like a typo of a member.
-        InvalidBackendNameError: a new name that is refused.
+        InvalidBackendNameError: a new name that is refused ("Invalid or reserved backend
+            name").
         InvalidBackendTypeError: ``class_path`` (or the decorated object) is not a class or a
             string; ``container`` is not a container.
         InvalidClassPathError: a malformed path. On any error nothing changes.
     """
     if container is not None and not isinstance(container, _container.BackendContainer):
         raise InvalidBackendTypeError("container", container, "a BackendContainer instance")
+    if not isinstance(is_mamba, bool):
+        raise InvalidBackendTypeError(
+            "is_mamba",
+            is_mamba,
+            "True or False",
+            hint="pass the container by keyword: register_backend(..., container=container)",
+        )
     target = container if container is not None else get_container()
     if class_path is None:
-        return target.register(member)
-    return target.register(member, class_path)
+        return target.register(backend, is_mamba=is_mamba)
+    return target.register(backend, class_path, is_mamba=is_mamba)
 
 
 def _base_container() -> BackendContainer:
@@ -129,7 +163,7 @@ def _base_container() -> BackendContainer:
 
 def _set_default(container: BackendContainer) -> BackendContainer:
     global _default
-    _default = container
+    _default = _state.DEFAULT.current = container
     return container
 
 
@@ -143,3 +177,6 @@ def _move_wiring(source: BackendContainer, target: BackendContainer) -> None:
     target.wired_to_packages[:] = list(dict.fromkeys(target.wired_to_packages))
     source.wired_to_modules.clear()
     source.wired_to_packages.clear()
+
+
+_state.DEFAULT.get = get_container

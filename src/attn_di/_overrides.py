@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Any
 from dependency_injector import containers
 
 from attn_di._paths import check_class_path
-from attn_di._provider import LOCAL_LAYERS, STATE_LOCK, Layer, Target
+from attn_di._provider import Layer, Target
+from attn_di._state import GENERATION, LOCAL_LAYERS, REGISTRY_LOCK
 from attn_di.exceptions import InvalidBackendTypeError
 
 if TYPE_CHECKING:
     from typing import Self
 
-    from attn_di._enum import AttentionBackendEnum
+    from attn_di._family import BackendEnum
 
 __all__ = ["BackendOverride", "ContainerOverride", "override_target"]
 
@@ -25,14 +26,15 @@ class BackendOverride:
 
     Exiting removes exactly this layer: other layers, entered before or after and exited in
     any order, stay; registrations made meanwhile are kept. Restoring twice is a no-op.
-    A local layer is removed from the context (thread / asyncio task) it is restored in.
+    A local layer is visible only in the context (thread / asyncio task) that made it and in
+    contexts copied from it; restoring it from any thread ends it in all of them.
 
     Attributes:
         impls: ``{member: impl}`` as given.
         local: whether the layer is context-local.
     """
 
-    def __init__(self, layer: Layer, impls: Mapping[AttentionBackendEnum, Any]) -> None:
+    def __init__(self, layer: Layer, impls: Mapping[BackendEnum, Any]) -> None:
         self._layer = layer
         self.impls = impls
         self.local = layer.local
@@ -40,15 +42,15 @@ class BackendOverride:
 
     @property
     def active(self) -> bool:
-        """True until restored."""
-        return self._active
+        """True until restored (or rolled back with a failed plugin that made it)."""
+        return self._active and self._layer.alive
 
     def apply(self) -> None:
         """Put the layer in place (done by ``container.override``)."""
         if self._layer.local:
-            LOCAL_LAYERS.set((*LOCAL_LAYERS.get(), self._layer))
+            LOCAL_LAYERS.set((*_alive(LOCAL_LAYERS.get()), self._layer))
         else:
-            with STATE_LOCK:
+            with REGISTRY_LOCK:
                 for provider, target in self._layer.targets.items():
                     provider.push_layer(self._layer, target)
         self._active = bool(self._layer.targets)
@@ -58,11 +60,15 @@ class BackendOverride:
         if not self._active:
             return
         self._active = False
-        if self._layer.local:
-            layer = self._layer
-            LOCAL_LAYERS.set(tuple(entry for entry in LOCAL_LAYERS.get() if entry is not layer))
+        layer = self._layer
+        if layer.local:
+            with REGISTRY_LOCK:
+                layer.alive = False  # skipped in every context that still holds it
+                GENERATION[0] += 1
+            LOCAL_LAYERS.set(_alive(LOCAL_LAYERS.get()))
             return
-        with STATE_LOCK:
+        layer.alive = False
+        with REGISTRY_LOCK:
             for provider in self._layer.targets:
                 provider.remove_layer(self._layer)
 
@@ -150,6 +156,13 @@ def override_target(impl: object, *, local: bool) -> Target:
             "impl", impl, "a backend class, a dotted class path, or a callable test double"
         )
     return Target.of_object(impl, source)
+
+
+def _alive(layers: tuple[Layer, ...]) -> tuple[Layer, ...]:
+    """``layers`` without the restored ones."""
+    if all(layer.alive for layer in layers):
+        return layers
+    return tuple(layer for layer in layers if layer.alive)
 
 
 def _describe(impl: object) -> str:

@@ -4,8 +4,13 @@ A plugin is a zero-argument callable, named by an entry point of an installed di
 that registers backends (``register_backend(...)``, runtime members included).
 :func:`load_plugins` calls each plugin once per process, honouring the ``ATTN_DI_PLUGINS``
 allowlist, and records which distribution provided which registrations
-(:func:`plugin_report`, shown by ``attn-di list``). A plugin that raises is logged with its
-traceback and reported; its partial registrations are rolled back; the others still load.
+(:func:`plugin_report`, shown by ``attn-di list``). A plugin that raises, anything
+including ``SystemExit`` and other ``BaseException``s, is logged with its traceback and
+reported as failed; its partial registrations, new members and the override layers it
+opened are rolled back; the others still load, and it is not run again. A
+``KeyboardInterrupt`` is rolled back and recorded the same way, then re-raised (the user
+asked to stop): the plugins not reached yet are named in a warning and load at the next
+:func:`load_plugins`.
 
 Entry points are only read when :func:`load_plugins` is called, never at ``import attn_di``.
 """
@@ -23,9 +28,10 @@ from typing import TYPE_CHECKING, Literal
 
 from attn_di._container import BackendContainer
 from attn_di._default import get_container
-from attn_di._enum import AttentionBackendEnum, remove_runtime_member, runtime_members
+from attn_di._family import BackendEnum, families
 from attn_di._propagation import PLUGINS_ENV
-from attn_di._provider import STATE_LOCK, Target
+from attn_di._provider import BackendProvider, Layer, Target
+from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -101,9 +107,12 @@ class PluginReport:
         """The plugins left out by ``ATTN_DI_PLUGINS``."""
         return tuple(p for p in self.plugins if p.status == "skipped")
 
-    def origin(self, member: AttentionBackendEnum | str) -> PluginRecord | None:
-        """The loaded plugin that last registered ``member`` (a member or its name), if any."""
-        name = member.name if isinstance(member, AttentionBackendEnum) else member
+    def origin(self, member: BackendEnum | str) -> PluginRecord | None:
+        """The loaded plugin that last registered ``member`` (a member or its name), if any.
+
+        Names are recorded as the exported snapshots write them: ``"CUSTOM"`` for an
+        attention member, ``"mamba:CUSTOM"`` for a Mamba member."""
+        name = _qualified(member) if isinstance(member, BackendEnum) else member
         for record in reversed(self.loaded):
             if name in record.members:
                 return record
@@ -150,6 +159,15 @@ def load_plugins() -> PluginReport:
             _state.running.add(key)
             try:
                 _state.done[key] = _load(entry_point, get_container())
+            except KeyboardInterrupt:
+                _state.done[key] = _record(entry_point, "failed", error="KeyboardInterrupt")
+                _state.report = PluginReport((*_state.done.values(), *skipped), allowlist)
+                logger.warning(
+                    "loading attn_di plugins interrupted in %r (rolled back); the plugins not "
+                    "reached yet load at the next load_plugins()",
+                    entry_point.name,
+                )
+                raise
             finally:
                 _state.running.discard(key)
         missing = tuple(name for name in allowlist or () if name not in found)
@@ -213,21 +231,26 @@ def _record(
 
 def _load(entry_point: EntryPoint, container: BackendContainer) -> PluginRecord:
     before = _registrations(container)
-    members_before = set(runtime_members())
+    members_before = {m for family in families() for m in family.runtime_members()}
+    layers_before = {p: list(p._layers) for p in container.all_providers()}
+    local_before = LOCAL_LAYERS.get()
     where = _distribution(entry_point)[0] or "an unknown distribution"
     try:
         plugin = entry_point.load()
         if not callable(plugin):
             raise TypeError(f"{entry_point.value} is not callable: {plugin!r}")
         plugin()
-    except Exception as error:
-        _roll_back(container, before, members_before)
+    except BaseException as error:  # SystemExit and friends too: a plugin never ends the host
+        _roll_back(container, before, members_before, layers_before, local_before)
         logger.error(
-            "attn_di plugin %r from %s failed; its registrations were rolled back",
+            "attn_di plugin %r from %s failed; its registrations, members and overrides "
+            "were rolled back",
             entry_point.name,
             where,
             exc_info=error,
         )
+        if isinstance(error, KeyboardInterrupt):
+            raise
         return _record(
             entry_point,
             "failed",
@@ -244,37 +267,54 @@ def _load(entry_point: EntryPoint, container: BackendContainer) -> PluginRecord:
     return _record(entry_point, "loaded", members=members)
 
 
+def _qualified(member: BackendEnum) -> str:
+    """The member's name as snapshots write it (``"mamba:CUSTOM"`` outside the attention enum)."""
+    family = next(f for f in families() if isinstance(member, f.enum))
+    return member.name if family is families()[0] else f"{family.key}:{member.name}"
+
+
 def _registrations(container: BackendContainer) -> dict[str, Target | None]:
-    return {member.name: container.provider(member)._registered for member in AttentionBackendEnum}
+    return {_qualified(p.member): p._registered for p in container.all_providers()}
 
 
 def _attribute(container: BackendContainer, before: dict[str, Target | None]) -> tuple[str, ...]:
     """Mark what a plugin registered or created with the source "plugin"; return the names."""
     names: list[str] = []
-    for member in AttentionBackendEnum:
-        provider = container.provider(member)
+    for provider in container.all_providers():
+        name = _qualified(provider.member)
         target = provider._registered
-        if member.name not in before:  # a runtime member the plugin created
+        if name not in before:  # a runtime member the plugin created
             target = target or provider._default
-        elif target is None or target is before.get(member.name):
+        elif target is None or target is before.get(name):
             continue
         if target is not None:
             target.source = "plugin"
-        names.append(member.name)
+        names.append(name)
     return tuple(names)
 
 
 def _roll_back(
     container: BackendContainer,
     before: dict[str, Target | None],
-    members_before: set[AttentionBackendEnum],
+    members_before: set[BackendEnum],
+    layers_before: dict[BackendProvider, list[tuple[Layer, Target]]],
+    local_before: tuple[Layer, ...],
 ) -> None:
-    for member in runtime_members():
-        if member not in members_before:
-            remove_runtime_member(member)
-    for member in AttentionBackendEnum:
-        provider = container.provider(member)
-        previous = before.get(member.name)
-        if provider._registered is not previous:
-            with STATE_LOCK:
+    for family in families():
+        for member in family.runtime_members():
+            if member not in members_before:
+                family.remove_member(member)
+    with REGISTRY_LOCK:
+        for provider in container.all_providers():
+            previous = before.get(_qualified(provider.member))
+            if provider._registered is not previous:
                 provider.set_registration(previous)
+            kept = layers_before.get(provider, [])
+            for layer, _ in list(provider._layers):
+                if all(layer is not old for old, _ in kept):
+                    layer.alive = False
+                    provider.remove_layer(layer)
+        for layer in LOCAL_LAYERS.get():
+            if layer not in local_before:
+                layer.alive = False
+    LOCAL_LAYERS.set(local_before)

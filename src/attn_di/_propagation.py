@@ -11,10 +11,20 @@ Applying at import (rather than when the default container is first used) means 
 members exist before anything in the child unpickles or names them.
 
 That covers ``multiprocessing`` spawn children, ``subprocess`` and Ray workers
-(:func:`ray_runtime_env` puts the variable in a Ray ``runtime_env``). Limits:
+(:func:`ray_runtime_env` puts the variable in a Ray ``runtime_env``).
 
-- a snapshot, not a live link: registrations made after the call do not reach processes
-  started later until it is called again;
+Automatic propagation (on by default): every registration, clear, runtime member and
+``use_container()`` enter/exit of the default container rewrites the variable, so children
+started at any later time inherit what is registered, with no call at all. A class that
+cannot be exported is left out with an :class:`~attn_di.exceptions.UnexportableBackendWarning`
+naming it. :func:`set_auto_propagation` (or ``ATTN_DI_AUTO_PROPAGATE=0`` at start-up) turns
+it off; while a :func:`propagate_registrations` handle is active, its snapshot is the one in
+the variable. Test isolation (``isolated_backends``, the pytest fixtures) turns it off for
+the block. Limits:
+
+- :func:`propagate_registrations` is a snapshot: with automatic propagation off,
+  registrations made after the call do not reach processes started later until it is
+  called again;
 - the forkserver process is started once, with the environment of that moment: call
   :func:`propagate_registrations` before the first forkserver child starts, or pass
   ``initializer=handle.initializer, initargs=handle.initargs`` to a pool;
@@ -36,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from attn_di._container import BackendContainer
 from attn_di._default import get_container
+from attn_di._state import DEFAULT, on_registrations_changed
 from attn_di.exceptions import (
     AttnDIError,
     InvalidBackendTypeError,
@@ -47,13 +58,17 @@ if TYPE_CHECKING:
     from typing import Self
 
 __all__ = [
+    "AUTO_ENV",
     "PLUGINS_ENV",
     "REGISTRATIONS_ENV",
     "PropagatedRegistrations",
     "apply_inherited_registrations",
     "apply_snapshot",
+    "auto_propagation_enabled",
     "propagate_registrations",
     "ray_runtime_env",
+    "set_auto_propagation",
+    "swap_auto_propagation",
 ]
 
 REGISTRATIONS_ENV = "ATTN_DI_REGISTRATIONS"
@@ -61,6 +76,48 @@ REGISTRATIONS_ENV = "ATTN_DI_REGISTRATIONS"
 
 PLUGINS_ENV = "ATTN_DI_PLUGINS"
 """The plugin allowlist (see :func:`attn_di.load_plugins`); passed on to Ray workers."""
+
+AUTO_ENV = "ATTN_DI_AUTO_PROPAGATE"
+"""Read at ``import attn_di``: ``0``, ``false``, ``off`` or ``no`` turn automatic propagation
+off."""
+
+_auto = [os.environ.get(AUTO_ENV, "1").strip().lower() not in ("0", "false", "off", "no")]
+
+
+def set_auto_propagation(enabled: bool) -> bool:
+    """Turn the automatic propagation of the default container's registrations on or off.
+
+    On, ``ATTN_DI_REGISTRATIONS`` follows every registration, clear and runtime member at
+    once (turning it on writes it now); off, it is left as it is, and only
+    :func:`propagate_registrations` writes it.
+
+    Returns:
+        The previous setting (to restore it).
+
+    Raises:
+        InvalidBackendTypeError: ``enabled`` is not a bool.
+    """
+    if not isinstance(enabled, bool):
+        raise InvalidBackendTypeError("enabled", enabled, "True or False")
+    previous = _auto[0]
+    _auto[0] = enabled
+    if enabled:
+        _refresh(None)
+    return previous
+
+
+def swap_auto_propagation(enabled: bool) -> bool:
+    """Set automatic propagation without writing the variable now; returns the previous
+    setting (for test isolation, which restores the environment itself)."""
+    previous = _auto[0]
+    _auto[0] = enabled
+    return previous
+
+
+def auto_propagation_enabled() -> bool:
+    """Whether registrations reach worker processes automatically
+    (see :func:`set_auto_propagation`)."""
+    return _auto[0]
 
 
 def propagate_registrations(container: BackendContainer | None = None) -> PropagatedRegistrations:
@@ -182,6 +239,7 @@ class PropagatedRegistrations:
             os.environ.pop(REGISTRATIONS_ENV, None)
         else:
             os.environ[REGISTRATIONS_ENV] = _baseline[0]
+        _refresh(None)
 
     def __enter__(self) -> Self:
         return self
@@ -224,6 +282,9 @@ def apply_inherited_registrations() -> None:
         snapshot = json.loads(encoded)
     except ValueError as error:
         raise RegistrationsEnvError(REGISTRATIONS_ENV, encoded, f"not JSON ({error})") from error
+    except RecursionError as error:
+        reason = "nested too deeply to be a snapshot (expected a flat JSON object)"
+        raise RegistrationsEnvError(REGISTRATIONS_ENV, encoded[:200], reason) from error
     if not isinstance(snapshot, dict):
         reason = f"expected a JSON object {{name: class path}}, got {type(snapshot).__name__}"
         raise RegistrationsEnvError(REGISTRATIONS_ENV, encoded, reason)
@@ -236,3 +297,24 @@ def apply_inherited_registrations() -> None:
 def encode_snapshot(snapshot: Mapping[str, str]) -> str:
     """The compact JSON text of a snapshot (keys sorted: equal snapshots, equal values)."""
     return json.dumps(dict(snapshot), sort_keys=True, separators=(",", ":"))
+
+
+def _refresh(container: object) -> None:
+    """Write the default container's registrations into the environment (automatic mode).
+
+    Called after every change (see :func:`attn_di._state.on_registrations_changed`): changes
+    of another container than the default are ignored; an explicit handle, while active, wins.
+    """
+    if not _auto[0] or _active_handles:
+        return
+    default = DEFAULT.current
+    if default is None or (container is not None and container is not default):
+        return
+    snapshot = default.export_registrations(strict=False)
+    if snapshot:
+        os.environ[REGISTRATIONS_ENV] = encode_snapshot(snapshot)
+    else:
+        os.environ.pop(REGISTRATIONS_ENV, None)
+
+
+on_registrations_changed(_refresh)

@@ -12,31 +12,30 @@ Registrations and override layers live apart, so neither ever undoes the other, 
 layer is removed by identity: exits may come in any order. The resolved class of steps
 3-5 is cached; every change bumps a version under a lock so that a resolution racing
 with a change never stores a stale class. No lock is held while importing.
+
+A path must import to a class (a backend); an object given directly (an override's test
+double, a mock) is returned as it is.
 """
 
 from __future__ import annotations
 
-import threading
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from dependency_injector import providers
 
 from attn_di._paths import import_class_path, module_part, path_of
-from attn_di.exceptions import BackendNotRegisteredError
+from attn_di._state import GENERATION, LOCAL_LAYERS, REGISTRY_LOCK
+from attn_di.exceptions import BackendImportError, BackendNotRegisteredError
 
 if TYPE_CHECKING:
-    from attn_di._enum import AttentionBackendEnum
+    from attn_di._family import BackendEnum
 
 __all__ = ["GENERATION", "LOCAL_LAYERS", "STATE_LOCK", "BackendProvider", "Layer", "Target"]
 
-# One lock for every registry mutation (rare); readers never take it on the fast path.
-STATE_LOCK = threading.RLock()
+STATE_LOCK = REGISTRY_LOCK
+"""The registry lock (:data:`attn_di._state.REGISTRY_LOCK`), under its historical name."""
 
 _UNSET: Any = object()
-
-# Bumped by every change to any provider's state: selection caches key on it.
-GENERATION = [0]
 
 
 class Target:
@@ -79,11 +78,19 @@ class Target:
         """The target object, importing its path the first time.
 
         Raises:
-            BackendImportError: the path does not import.
+            BackendImportError: the path does not import, or names something that is not a class.
         """
         obj = self._obj
         if obj is _UNSET:
-            obj = self._obj = import_class_path(self.path, member)
+            obj = import_class_path(self.path, member)
+            if not isinstance(obj, type):
+                raise BackendImportError(
+                    member,
+                    self.path,
+                    BackendImportError.NOT_A_CLASS,
+                    f"it names {type(obj).__name__} {getattr(obj, '__qualname__', obj)!r}",
+                )
+            self._obj = obj
         return obj
 
     def __repr__(self) -> str:
@@ -91,41 +98,54 @@ class Target:
 
 
 class Layer:
-    """One override block: the targets it sets, per provider."""
+    """One override block: the targets it sets, per provider.
 
-    __slots__ = ("__weakref__", "local", "targets")
+    ``alive`` turns False when the block is restored. A context-local layer stays in the
+    ContextVar of the context that made it (and of contexts copied from it) until that context
+    drops it, but a dead layer is skipped everywhere: restoring from another thread works.
+    """
+
+    __slots__ = ("__weakref__", "alive", "local", "targets")
 
     def __init__(self, targets: dict[BackendProvider, Target], local: bool) -> None:
         self.targets = targets
         self.local = local
-
-
-LOCAL_LAYERS: ContextVar[tuple[Layer, ...]] = ContextVar("attn_di_local_layers", default=())
+        self.alive = True
 
 
 class BackendProvider(providers.Provider[Any]):
-    """Lazily provides the backend class of one :class:`AttentionBackendEnum` member.
+    """Lazily provides the backend class of one backend enum member.
 
     Calling it returns the class (nothing is imported before the first call). It is what
     ``Provide[BackendContainer.TRITON_ATTN]`` injects. Use the container's methods to
     register and override; this class holds the per-container state.
     """
 
-    def __init__(self, member: AttentionBackendEnum) -> None:
+    def __init__(self, member: BackendEnum) -> None:
         self.member = member
         self.name = member.name
+        self.enum_name = type(member).__name__
         self._default = _default_target(member)
         self._registered: Target | None = None
         self._layers: list[tuple[Layer, Target]] = []
         self._version = 0
-        # The owning container's {member: class, name: class} fast-path cache (see attach).
+        # The owning container's {member: class, name: class} fast-path cache (see attach),
+        # and the member-keyed caches of the containers that hold the owner as a sub-container.
         self._index: dict[object, Any] = {}
+        self._outer: list[dict[object, Any]] = []
         super().__init__()
 
     def attach(self, index: dict[object, Any]) -> None:
         """Share the owning container's fast-path cache (filled on resolve, cleared on change)."""
         with STATE_LOCK:
             self._index = index
+            self.invalidate()
+
+    def attach_outer(self, index: dict[object, Any]) -> None:
+        """Also fill ``index`` (an outer container's cache), keyed by member only."""
+        with STATE_LOCK:
+            if all(outer is not index for outer in self._outer):
+                self._outer.append(index)
             self.invalidate()
 
     # -- resolution -------------------------------------------------------------------
@@ -152,6 +172,8 @@ class BackendProvider(providers.Provider[Any]):
         with STATE_LOCK:
             if self._version == version and not self.overridden:
                 self._index[self.member] = self._index[self.name] = resolved
+                for outer in self._outer:
+                    outer[self.member] = resolved
         return resolved
 
     def effective_target(self) -> Target | None:
@@ -230,6 +252,8 @@ class BackendProvider(providers.Provider[Any]):
         index = self._index
         index.pop(self.member, None)
         index.pop(self.name, None)
+        for outer in self._outer:
+            outer.pop(self.member, None)
 
     # -- dependency-injector hooks ---------------------------------------------------
     def override(self, provider: Any) -> Any:
@@ -253,7 +277,7 @@ class BackendProvider(providers.Provider[Any]):
         copied = memo.get(id(self))
         if copied is not None:
             return copied  # type: ignore[no-any-return]
-        copied = BackendProvider(self.member)
+        copied = type(self)(self.member)
         copied._registered = self._registered
         memo[id(self)] = copied
         self._copy_overridings(copied, memo)
@@ -270,17 +294,17 @@ class BackendProvider(providers.Provider[Any]):
     def _local_target(self, local: tuple[Layer, ...]) -> Target | None:
         for layer in reversed(local):
             target = layer.targets.get(self)
-            if target is not None:
+            if target is not None and layer.alive:
                 return target
         return None
 
     def _require(self, target: Target | None) -> Target:
         if target is None:
-            raise BackendNotRegisteredError(self.name)
+            raise BackendNotRegisteredError(self.name, self.enum_name)
         return target
 
 
-def _default_target(member: AttentionBackendEnum) -> Target | None:
+def _default_target(member: BackendEnum) -> Target | None:
     default_cls = getattr(member, "_default_cls_", _UNSET)
     if default_cls is not _UNSET:
         return Target(member.default_path, default_cls, "default")

@@ -20,18 +20,20 @@ import operator
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from attn_di import _provider
+from attn_di import _state
+from attn_di._container import SELECTION_HOOKS
 from attn_di._device import Device, parse_device
 from attn_di._enum import AttentionBackendEnum, parse_backend_name
 from attn_di.exceptions import (
     AttnDIError,
     BackendRejectedError,
+    InvalidBackendTypeError,
     InvalidInputError,
     NoValidBackendError,
     closest_name,
@@ -252,7 +254,7 @@ def force_backend(
 
 
 def select_backend(
-    config: AttentionSelectorConfig,
+    config: AttentionSelectorConfig | Mapping[str, Any],
     *,
     device: str | Device | None = None,
     backend: AttentionBackendEnum | str | None = None,
@@ -261,7 +263,8 @@ def select_backend(
     """Choose the attention backend for ``config`` on ``device``.
 
     Args:
-        config: what the layer needs.
+        config: what the layer needs: an :class:`AttentionSelectorConfig`, or a mapping of its
+            fields (``{"head_size": 128, "dtype": "bfloat16"}``).
         device: "cpu", "cuda", "cuda:9.0", "rocm"; None detects it through torch.
         backend: an explicit choice (member or name, case-insensitive); None/"auto" = not set.
         container: where candidates are resolved; the default container if None.
@@ -273,11 +276,12 @@ def select_backend(
         BackendRejectedError: an explicitly asked-for backend refuses the configuration.
         NoValidBackendError: no candidate accepts it (every candidate with its reasons).
         UnknownBackendError: an unknown backend name (also from ``ATTN_DI_BACKEND``).
-        InvalidInputError: a malformed device.
+        InvalidInputError: a malformed device, or a mapping with unknown or missing fields.
+        InvalidBackendTypeError: ``config`` is neither a config nor a mapping.
     """
-    from attn_di._default import get_container
-
-    target = container if container is not None else get_container()
+    if not isinstance(config, AttentionSelectorConfig):
+        config = _config_from(config)
+    target = container if container is not None else _state.DEFAULT.get()
     parsed_device = parse_device(device)
     requested, origin = _requested(backend)
     # A custom policy (the candidates provider overridden) can change without any signal
@@ -289,8 +293,8 @@ def select_backend(
         requested,
         origin,
         target._serial,
-        _provider.GENERATION[0],
-        _provider.LOCAL_LAYERS.get(),
+        _state.GENERATION[0],
+        _state.LOCAL_LAYERS.get(),
     )
     cached = _cache_get(key) if cacheable else None
     if cached is not None:
@@ -318,10 +322,29 @@ def select_from_settings(container: BackendContainer, settings: dict[str, Any]) 
     values = dict(settings or {})
     device = values.pop("device", None)
     backend = values.pop("backend", None)
+    config = _config_from(values, extra_keys=("device", "backend"))
+    return select_backend(config, device=device, backend=backend, container=container)
+
+
+# -- internals ------------------------------------------------------------------------
+def _config_from(values: object, extra_keys: tuple[str, ...] = ()) -> AttentionSelectorConfig:
+    """An :class:`AttentionSelectorConfig` from a mapping of its fields.
+
+    Raises:
+        InvalidBackendTypeError: not a mapping.
+        InvalidInputError: unknown keys, or head_size / dtype missing.
+    """
+    if not isinstance(values, Mapping):
+        raise InvalidBackendTypeError(
+            "config",
+            values,
+            "an AttentionSelectorConfig or a mapping of its fields",
+            hint='select_backend(AttentionSelectorConfig(head_size=128, dtype="bfloat16"))',
+        )
     fields = set(AttentionSelectorConfig.__dataclass_fields__)
-    unknown = sorted(set(values) - fields)
+    unknown = sorted(str(key) for key in set(values) - fields)
     if unknown:
-        valid = sorted(fields | {"device", "backend"})
+        valid = sorted(fields | set(extra_keys))
         close = closest_name(unknown[0], valid)
         raise InvalidInputError(
             "attention settings",
@@ -336,11 +359,9 @@ def select_from_settings(container: BackendContainer, settings: dict[str, Any]) 
             hint='set them first, e.g. container.attention.from_dict({"head_size": 128, '
             '"dtype": "bfloat16"})',
         )
-    config = AttentionSelectorConfig(**values)
-    return select_backend(config, device=device, backend=backend, container=container)
+    return AttentionSelectorConfig(**values)
 
 
-# -- internals ------------------------------------------------------------------------
 def _requested(
     backend: AttentionBackendEnum | str | None,
 ) -> tuple[AttentionBackendEnum | None, str]:
@@ -489,3 +510,7 @@ def _cache_put(key: tuple[Any, ...], selection: Selection) -> None:
         _cache[key] = selection
         while len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
+
+
+SELECTION_HOOKS["candidates"] = default_candidates
+SELECTION_HOOKS["select"] = select_from_settings

@@ -14,10 +14,11 @@ from typing import Any
 
 from attn_di._container import BackendContainer, BackendKey
 from attn_di._default import use_container
-from attn_di._enum import AttentionBackendEnum, remove_runtime_member, runtime_members
+from attn_di._family import BackendEnum, families
 from attn_di._overrides import BackendOverride, ContainerOverride
 from attn_di._plugins import isolated_plugin_state
-from attn_di._provider import LOCAL_LAYERS, STATE_LOCK
+from attn_di._propagation import swap_auto_propagation
+from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK
 
 __all__ = ["ENV_PREFIX", "Isolation", "OverrideBackendFixture", "isolated_backends"]
 
@@ -104,12 +105,18 @@ def isolated_backends() -> Iterator[Isolation]:
     On exit: leaked override layers (global on the block's container, or context-local)
     are removed and listed in ``Isolation.leaks``; runtime members added in the block are
     removed; the environment, the previous default container and the plugin state come back.
+
+    Automatic propagation (``ATTN_DI_REGISTRATIONS`` following every registration) is off in
+    the block, so tests may register classes defined in test functions and start
+    subprocesses with a clean environment; call ``attn_di.set_auto_propagation(True)`` in a
+    test that wants it (it is restored on exit).
     """
     saved_env = {name: value for name, value in os.environ.items() if name.startswith(ENV_PREFIX)}
     for name in saved_env:
         del os.environ[name]
+    auto_before = swap_auto_propagation(False)
     local_before = LOCAL_LAYERS.get()
-    runtime_before = set(runtime_members())
+    runtime_before = {m for family in families() for m in family.runtime_members()}
     isolation: Isolation | None = None
     try:
         with isolated_plugin_state(), use_container() as container:
@@ -120,22 +127,25 @@ def isolated_backends() -> Iterator[Isolation]:
                 isolation.leaks.append(f"global overrides of {[m.name for m in leaked]}")
                 _remove_layers(container, leaked)
             local_after = LOCAL_LAYERS.get()
-            if local_after != local_before:
-                added = [layer for layer in local_after if layer not in local_before]
+            added = [lay for lay in local_after if lay not in local_before and lay.alive]
+            if added:
                 names = sorted({provider.name for layer in added for provider in layer.targets})
                 isolation.leaks.append(f"context-local overrides of {names}")
     finally:
         LOCAL_LAYERS.set(local_before)
-        for member in runtime_members():
-            if member not in runtime_before:
-                remove_runtime_member(member)
+        for family in families():
+            for member in family.runtime_members():
+                if member not in runtime_before:
+                    family.remove_member(member)
+        swap_auto_propagation(False)
         for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
             del os.environ[name]
         os.environ.update(saved_env)
+        swap_auto_propagation(auto_before)
 
 
-def _remove_layers(container: BackendContainer, members: list[AttentionBackendEnum]) -> None:
-    with STATE_LOCK:
+def _remove_layers(container: BackendContainer, members: list[BackendEnum]) -> None:
+    with REGISTRY_LOCK:
         for member in members:
             provider = container.provider(member)
             provider._layers = []

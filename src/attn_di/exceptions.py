@@ -18,7 +18,8 @@ already catch, so ``except ValueError`` keeps working where vLLM raised one::
     └── InvalidInputError (ValueError)                  a tensor or size that does not fit
 
     AttnDIWarning (UserWarning)
-    └── AttnDIDeprecationWarning (DeprecationWarning)
+    ├── AttnDIDeprecationWarning (DeprecationWarning)
+    └── UnexportableBackendWarning                      left out of automatic propagation
 
 The data lives on the exception as attributes; the message is rendered by
 ``__str__`` and ends with a ``Hint:`` line when there is something to suggest.
@@ -42,6 +43,7 @@ __all__ = [
     "NoValidBackendError",
     "RegistrationsEnvError",
     "UnexportableBackendError",
+    "UnexportableBackendWarning",
     "UnknownBackendError",
     "UnsupportedFeatureError",
 ]
@@ -82,55 +84,71 @@ class AttnDIError(Exception):
 class UnknownBackendError(AttnDIError, ValueError, KeyError):
     """A backend name that is not a member of the enum.
 
+    The message starts as vLLM's does ("Unknown attention backend: 'X'. Valid options are:
+    ..."), so code matching vLLM's text keeps working.
+
     Attributes:
         name: the name asked for, as given.
         choices: every valid member name, in enum order.
         suggestion: the closest valid name, or None.
+        enum: the enum's class name.
     """
 
-    def __init__(self, name: object, choices: Sequence[str], looked_up: str = "name") -> None:
-        super().__init__(name, tuple(choices), looked_up)
+    def __init__(
+        self,
+        name: object,
+        choices: Sequence[str],
+        looked_up: str = "name",
+        enum: str = "AttentionBackendEnum",
+    ) -> None:
+        super().__init__(name, tuple(choices), looked_up, enum)
         self.name = name
         self.choices = tuple(choices)
         self.looked_up = looked_up
+        self.enum = enum
         self.suggestion = closest_name(name, self.choices) if isinstance(name, str) else None
         if self.suggestion:
             self.hint = f"did you mean {self.suggestion!r}?"
         elif looked_up == "class path":
-            self.hint = "look members up by name: AttentionBackendEnum['NAME']"
+            self.hint = f"look members up by name: {enum}['NAME']"
         else:
-            self.hint = (
-                "see `AttentionBackendEnum.__members__`, or add one with "
-                "`AttentionBackendEnum.register(name, class_path)`"
-            )
+            self.hint = f"see `attn-di list`, or add one with `{enum}.register(name, class_path)`"
 
     def message(self) -> str:
+        valid = ", ".join(self.choices)
         if self.looked_up == "class path":
             return (
-                f"no attention backend has the default class path {self.name!r}; "
-                f"valid names: {', '.join(self.choices)}"
+                f"Unknown attention backend class path: {self.name!r} is the default of no "
+                f"{self.enum} member. Valid options are: {valid}"
             )
-        return f"unknown attention backend {self.name!r}; valid names: {', '.join(self.choices)}"
+        return f"Unknown attention backend: {self.name!r}. Valid options are: {valid}"
 
 
 class BackendNotRegisteredError(AttnDIError, ValueError):
     """A member with no class path (CUSTOM) was resolved before anything was registered for it.
 
+    The message keeps vLLM's phrase "must be registered before use".
+
     Attributes:
         member: the member's name.
+        enum: the enum's class name.
     """
 
-    def __init__(self, member: str) -> None:
-        super().__init__(member)
+    def __init__(self, member: str, enum: str = "AttentionBackendEnum") -> None:
+        super().__init__(member, enum)
         self.member = member
+        self.enum = enum
         self.hint = (
-            f"register one first: `register_backend(AttentionBackendEnum.{member}, "
+            f"register one first: `register_backend({enum}.{member}, "
             f'"pkg.mod.Class")` or decorate the class with '
-            f"`@register_backend(AttentionBackendEnum.{member})`"
+            f"`@register_backend({enum}.{member})`"
         )
 
     def message(self) -> str:
-        return f"attention backend {self.member} has no class path: nothing is registered for it"
+        return (
+            f"Backend {self.member} must be registered before use "
+            f"(nothing is registered for {self.enum}.{self.member}). Use register_backend(...)"
+        )
 
 
 class BackendImportError(AttnDIError, ImportError):
@@ -143,11 +161,14 @@ class BackendImportError(AttnDIError, ImportError):
             ``"module failed to import"``; the original exception is chained as ``__cause__``.
         detail: the original error's text.
         suggestion: for a missing attribute, the closest name the module has, else None.
+
+    ``reason`` ``"not a class"``: the path imports, but to a function or another object.
     """
 
     MODULE_NOT_FOUND = "module not found"
     ATTRIBUTE_NOT_FOUND = "attribute not found"
     MODULE_FAILED = "module failed to import"
+    NOT_A_CLASS = "not a class"
 
     def __init__(
         self,
@@ -172,6 +193,8 @@ class BackendImportError(AttnDIError, ImportError):
             )
         elif reason == self.MODULE_FAILED:
             self.hint = "the module exists but raised while importing: see the chained exception"
+        elif reason == self.NOT_A_CLASS:
+            self.hint = f"register the backend class itself for {member}, e.g. pkg.mod.MyBackend"
         else:
             self.hint = f"check the class name, or register another class for {member}"
 
@@ -234,25 +257,41 @@ class InvalidBackendTypeError(AttnDIError, TypeError):
 class InvalidBackendNameError(AttnDIError, ValueError):
     """A name refused for a new runtime member.
 
+    The message keeps vLLM's phrases: "Backend X already exists in <Enum>. Use
+    register_backend(...) to override." and "Invalid or reserved backend name: X".
+
     Attributes:
         name: the name given.
         reason: why it was refused.
         existing: the existing member it collides with, if any.
+        enum: the enum's class name.
     """
 
-    def __init__(self, name: object, reason: str, existing: str | None = None) -> None:
-        super().__init__(name, reason, existing)
+    def __init__(
+        self,
+        name: object,
+        reason: str,
+        existing: str | None = None,
+        enum: str = "AttentionBackendEnum",
+    ) -> None:
+        super().__init__(name, reason, existing, enum)
         self.name = name
         self.reason = reason
         self.existing = existing
+        self.enum = enum
         self.hint = (
-            f"use `register_backend(AttentionBackendEnum.{existing}, ...)` to override it"
+            f"use `register_backend({enum}.{existing}, ...)` to override it"
             if existing
-            else "use an upper-case Python identifier such as 'MY_BACKEND'"
+            else "use a Python identifier that is not an attribute, such as 'MY_BACKEND'"
         )
 
     def message(self) -> str:
-        return f"cannot add attention backend {self.name!r}: {self.reason}"
+        if self.existing is not None and self.existing == self.name:
+            return (
+                f"Backend {self.name} already exists in {self.enum}. "
+                "Use register_backend(...) to override."
+            )
+        return f"Invalid or reserved backend name: {self.name!r} ({self.reason})"
 
 
 class UnexportableBackendError(AttnDIError, ValueError):
@@ -407,3 +446,9 @@ class AttnDIWarning(UserWarning):
 
 class AttnDIDeprecationWarning(AttnDIWarning, DeprecationWarning):
     """A deprecated attn_di API was used."""
+
+
+class UnexportableBackendWarning(AttnDIWarning):
+    """A registration left out of the automatic propagation to worker processes: its class
+    has no importable path (e.g. defined in a function). ``propagate_registrations()`` raises
+    :class:`UnexportableBackendError` for it instead."""

@@ -150,7 +150,7 @@ def test_run_exits_non_zero_when_a_check_fails(tmp_path: pytest.TempPathFactory)
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["run", "--backend", "FLASH_ATN"], "unknown attention backend 'FLASH_ATN'"),
+        (["run", "--backend", "FLASH_ATN"], "Unknown attention backend: 'FLASH_ATN'"),
         (["run", "--heads", "30", "--kv-heads", "8"], "--kv-heads: 8 does not divide --heads 30"),
         (["run", "--batch", "0"], "--batch: must be positive, got 0"),
         (["run", "--context", "-5"], "--context: must be >= 0, got -5"),
@@ -161,7 +161,7 @@ def test_run_exits_non_zero_when_a_check_fails(tmp_path: pytest.TempPathFactory)
         (["select", "--head-size", "64", "--dtype", "bf16", "--device", "tpu"],
          "unknown device 'tpu'"),
         (["select", "--head-size", "64", "--dtype", "bf16", "--backend", "nope"],
-         "unknown attention backend 'nope'"),
+         "Unknown attention backend: 'nope'"),
         (["run", "--batch", "100000", "--context", "1000000"], "this batch needs about"),
         (["run", "--block-size", "10000000"], "this batch needs about"),
         (["run", "--backend", "NO_ATTENTION"], "NO_ATTENTION is attention-free"),

@@ -1,4 +1,5 @@
-"""``attn-di list``: every member, the path it resolves to, its source, whether it imports."""
+"""``attn-di list``: every member of every backend enum (attention, then Mamba), the path it
+resolves to, its source, whether it imports."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 from typing import Any
 
 from attn_di._default import get_container
-from attn_di._enum import AttentionBackendEnum, runtime_members
+from attn_di._family import BackendFamily, families
 from attn_di._plugins import PluginRecord, plugin_report
 from attn_di.cli._output import print_json, print_table
 from attn_di.exceptions import AttnDIError
@@ -14,16 +15,18 @@ from attn_di.exceptions import AttnDIError
 __all__ = ["describe_members", "describe_plugins", "run_list"]
 
 
-def describe_members() -> list[dict[str, Any]]:
-    """One record per member of the default container: name, path, source, imports, error.
+def describe_members(family: BackendFamily | None = None) -> list[dict[str, Any]]:
+    """One record per member of one enum (the attention enum by default) in the default
+    container: name, path, source, imports, error.
 
     Importing is attempted (that is the point): vLLM's paths import only where vLLM is installed.
     """
+    family = family or families()[0]
     container = get_container()
-    runtime = set(runtime_members())
+    runtime = set(family.runtime_members())
     report = plugin_report()
     records = []
-    for member in AttentionBackendEnum:
+    for member in family.members():
         record: dict[str, Any] = {
             "name": member.name,
             "path": None,
@@ -61,27 +64,32 @@ def describe_plugins() -> list[dict[str, Any]]:
 
 def run_list(args: argparse.Namespace) -> int:
     """Print the members (and the plugins) as tables or JSON; always exits 0."""
-    records = describe_members()
+    by_family = {family: describe_members(family) for family in families()}
     plugins = describe_plugins()
     missing = list(plugin_report().missing)
     if args.json:
-        print_json({"members": records, "plugins": plugins, "missing_plugins": missing})
+        output: dict[str, Any] = {
+            ("members" if index == 0 else f"{family.key}_members"): records
+            for index, (family, records) in enumerate(by_family.items())
+        }
+        print_json({**output, "plugins": plugins, "missing_plugins": missing})
         return 0
-    rows = [
-        (
-            record["name"] + (" *" if record["runtime_member"] else ""),
-            record["path"] or "-",
-            record["source"] + (f" ({record['plugin']})" if record["plugin"] else ""),
-            "yes" if record["imports"] else "no",
-            _short(record["error"]),
+    for family, records in by_family.items():
+        rows = [
+            (
+                record["name"] + (" *" if record["runtime_member"] else ""),
+                record["path"] or "-",
+                record["source"] + (f" ({record['plugin']})" if record["plugin"] else ""),
+                "yes" if record["imports"] else "no",
+                _short(record["error"]),
+            )
+            for record in records
+        ]
+        print_table(
+            f"{family.label}s: {family.enum.__name__} (* = runtime member)",
+            ["member", "path", "source", "imports", "why not"],
+            rows,
         )
-        for record in records
-    ]
-    print_table(
-        "attention backends (* = runtime member)",
-        ["member", "path", "source", "imports", "why not"],
-        rows,
-    )
     shown = [plugin for plugin in plugins if plugin["status"] != "skipped"]
     if len(shown) < len(plugins):
         print(f"{len(plugins) - len(shown)} installed plugin(s) not loaded: not in ATTN_DI_PLUGINS")

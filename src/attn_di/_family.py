@@ -1,0 +1,373 @@
+"""The generic mechanism behind every backend enum: :class:`BackendEnum` (the members'
+methods) and :class:`BackendFamily` (one enum's runtime members, names and lookups).
+
+vLLM keeps two enums with one API: ``AttentionBackendEnum`` and ``MambaAttentionBackendEnum``
+(``vllm/v1/attention/backends/registry.py``). Here both are instances of this mechanism
+(:mod:`attn_di._enum` declares them); a third needs an enum class, a :class:`BackendFamily`
+and a container class (:mod:`attn_di._container`). Families never see each other's names.
+
+Member tables are changed under :data:`attn_di._state.REGISTRY_LOCK`; readers take
+snapshots (``tuple(dict)``, atomic under the GIL), so iterating, exporting or parsing while
+another thread adds members never fails. vLLM's tests remove runtime members by hand
+(popping ``_member_map_``, ``_member_names_`` and the class attribute): everything here reads
+the enum's own tables, so such removals and a later re-registration of the name work.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from enum import Enum, EnumMeta
+from typing import Any, TypeVar, cast
+
+from attn_di._paths import check_class_path
+from attn_di._state import DEFAULT, LOCAL_LAYERS, REGISTRY_LOCK
+from attn_di.exceptions import (
+    AttnDIWarning,
+    InvalidBackendNameError,
+    InvalidBackendTypeError,
+    UnknownBackendError,
+)
+
+__all__ = [
+    "BackendEnum",
+    "BackendEnumMeta",
+    "BackendFamily",
+    "families",
+    "family_of",
+    "on_new_member",
+    "on_removed_member",
+]
+
+_E = TypeVar("_E", bound="BackendEnum")
+_FAMILIES: dict[type[Any], BackendFamily] = {}
+_new_listeners: list[Callable[[BackendEnum], None]] = []
+_removed_listeners: list[Callable[[BackendEnum], None]] = []
+
+
+class BackendEnumMeta(EnumMeta):
+    """EnumMeta whose ``Enum["X"]`` raises :class:`UnknownBackendError` (a ValueError) and whose
+    iteration works on a snapshot (safe while other threads add members)."""
+
+    def __getitem__(cls, name: str) -> Any:
+        try:
+            return cls._member_map_[name]
+        except (KeyError, TypeError):
+            raise family_of(cls).unknown(name) from None
+
+    def __iter__(cls) -> Iterator[Any]:
+        return iter(tuple(cls._member_map_.values()))
+
+    def __len__(cls) -> int:
+        return len(cls._member_map_)
+
+
+class BackendEnum(Enum, metaclass=BackendEnumMeta):
+    """Base of the backend enums: a member's value is its default dotted class path.
+
+    The registry methods act on the default container (:func:`attn_di.get_container`).
+    """
+
+    # Members are singletons: identity hashing is correct and C-fast (Enum's is Python code).
+    __hash__ = object.__hash__
+
+    def __reduce_ex__(self, protocol: object) -> tuple[Callable[..., BackendEnum], tuple[Any, ...]]:
+        # By name, not by value: runtime members may share a value with another member.
+        return _member_by_name, (type(self), self._name_)
+
+    @classmethod
+    def _missing_(cls, value: object) -> Any:
+        # Enum("...") looks members up by default class path.
+        raise family_of(cls).unknown(value, looked_up="class path")
+
+    @property
+    def default_path(self) -> str | None:
+        """The member's default class path, or None (CUSTOM)."""
+        return self._value_ or None
+
+    def get_path(self, include_classname: bool = True) -> str:
+        """The class path this member resolves to in the default container.
+
+        Overrides first, then the registration, then the default (the member's value).
+
+        Args:
+            include_classname: False returns only the module part.
+
+        Raises:
+            BackendNotRegisteredError: the member has no path (CUSTOM before registration).
+        """
+        return DEFAULT.get().get_path(self, include_classname)  # type: ignore[no-any-return]
+
+    def get_class(self) -> type[Any]:
+        """Import (lazily, once) and return the class this member resolves to.
+
+        Respects context-local overrides, override blocks and registrations, in that order.
+
+        Raises:
+            BackendNotRegisteredError: the member has no path (CUSTOM before registration).
+            BackendImportError: the path does not import, or names something that is not a class.
+        """
+        container = DEFAULT.current
+        if container is not None and not LOCAL_LAYERS.get():
+            try:
+                return container._resolved[self]  # type: ignore[no-any-return]
+            except KeyError:
+                pass
+        return DEFAULT.get().backend(self)  # type: ignore[no-any-return]
+
+    def is_overridden(self) -> bool:
+        """True while a registration or an override (global or local) is active."""
+        return DEFAULT.get().is_overridden(self)  # type: ignore[no-any-return]
+
+    def clear_override(self) -> None:
+        """Forget the registration, returning to the member's value. No-op if none.
+
+        Override blocks (``with container.override(...)``) are not touched: they end themselves.
+        """
+        DEFAULT.get().clear_override(self)
+
+    @classmethod
+    def register(cls: type[_E], name: str, value: str) -> _E:
+        """Add a member at runtime whose value (default class path) is ``value``.
+
+        Every container, existing or future, gets a provider for it. Members are process-wide.
+
+        Args:
+            name: a Python identifier that is not a member yet, does not start with ``_`` and
+                does not shadow an attribute of the enum or of a container (lower case is fine).
+            value: a dotted class path (not imported now).
+
+        Returns:
+            The new member.
+
+        Raises:
+            InvalidBackendNameError: "Invalid or reserved backend name", or the name
+                "already exists" (nothing changes).
+            InvalidClassPathError: the path is malformed (nothing changes).
+            InvalidBackendTypeError: name or value is not a string.
+        """
+        return cast("_E", family_of(cls).add_member(name, value))
+
+
+class BackendFamily:
+    """One backend enum and the rules of its names.
+
+    Attributes:
+        enum: the enum class.
+        key: a short lower-case key (``"attention"``, ``"mamba"``): the prefix of this
+            family's names in exported snapshots, and the container attribute of its
+            sub-container (except for the primary family).
+        label: what a member is called in messages (``"attention backend"``).
+        builtin: the names declared in the enum's body.
+        reserved: names that would shadow an attribute of the enum or of a container
+            (containers add theirs when their module is imported).
+    """
+
+    def __init__(self, enum: type[BackendEnum], key: str, label: str) -> None:
+        self.enum = enum
+        self.key = key
+        self.label = label
+        self.builtin = frozenset(enum._member_map_)
+        namespaces = [*type.mro(enum), *type.mro(type(enum))]
+        self.reserved: set[str] = {name for space in namespaces for name in vars(space)}
+        _FAMILIES[enum] = self
+
+    # -- reading (snapshots: safe while other threads add members) ----------------------
+    def names(self) -> tuple[str, ...]:
+        """Every member name, in enum order."""
+        return tuple(self.enum._member_map_)
+
+    def members(self) -> tuple[Any, ...]:
+        """Every member, in enum order."""
+        return tuple(self.enum._member_map_.values())
+
+    def runtime_members(self) -> list[Any]:
+        """The members added at runtime, oldest first."""
+        return [m for m in self.members() if m._name_ not in self.builtin]
+
+    def lookup(self, key: object) -> Any:
+        """The member for a member of this enum or its exact name.
+
+        Raises:
+            UnknownBackendError: anything else (a ValueError), with the closest name.
+        """
+        if isinstance(key, self.enum):
+            return key
+        member = self.enum._member_map_.get(key) if isinstance(key, str) else None
+        if member is None:
+            raise self.unknown(key)
+        return member
+
+    def parse(self, name: object) -> Any:
+        """Parse a name as typed by a user: case-insensitive, spaces and hyphens read as ``_``;
+        ``None``, ``""`` and ``"auto"`` give None; a member is returned as is.
+
+        Raises:
+            UnknownBackendError: an unknown name, with the closest suggestion.
+            InvalidBackendTypeError: neither a string nor a member.
+        """
+        if name is None or isinstance(name, self.enum):
+            return name
+        if not isinstance(name, str):
+            raise InvalidBackendTypeError(
+                "backend", name, f"a backend name or a {self.enum.__name__} member"
+            )
+        text = re.sub(r"[\s-]+", "_", name.strip())  # "torch sdpa", "torch-sdpa" -> TORCH_SDPA
+        if text.lower() in ("", "auto"):
+            return None
+        members = dict(self.enum._member_map_)
+        member = members.get(text) or members.get(text.upper())
+        if member is None:
+            by_upper = {key.upper(): value for key, value in members.items()}
+            member = by_upper.get(text.upper())
+        if member is None:
+            raise self.unknown(name, extra=("auto",))
+        return member
+
+    def unknown(
+        self, name: object, *, looked_up: str = "name", extra: tuple[str, ...] = ()
+    ) -> UnknownBackendError:
+        """The error for an unknown name (not raised)."""
+        return UnknownBackendError(
+            name, [*self.names(), *extra], looked_up=looked_up, enum=self.enum.__name__
+        )
+
+    # -- runtime members ----------------------------------------------------------------
+    def check_new_name(self, name: object) -> str:
+        """Validate a new member's name.
+
+        Raises:
+            InvalidBackendTypeError: not a string.
+            InvalidBackendNameError: not an identifier, reserved, or already a member.
+        """
+        if not isinstance(name, str):
+            raise InvalidBackendTypeError("name", name, "a member name string")
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise InvalidBackendNameError(name, "not a Python identifier", enum=self.enum.__name__)
+        if name.startswith("_"):
+            raise InvalidBackendNameError(
+                name, "names starting with '_' are reserved", enum=self.enum.__name__
+            )
+        if name in self.enum._member_map_:
+            raise InvalidBackendNameError(
+                name, "already exists", existing=name, enum=self.enum.__name__
+            )
+        if name in self.reserved:
+            raise InvalidBackendNameError(
+                name,
+                f"it would shadow an attribute of {self.enum.__name__} or of a container",
+                enum=self.enum.__name__,
+            )
+        return name
+
+    def add_member(self, name: str, class_path: str, default_cls: object = None) -> Any:
+        """Add a runtime member valued ``class_path`` (see :meth:`BackendEnum.register`).
+
+        Args:
+            default_cls: the class the path names, when already at hand (a decorated class,
+                possibly defined in a function): containers resolve to it without importing.
+
+        Raises:
+            InvalidBackendNameError, InvalidClassPathError, InvalidBackendTypeError: nothing
+                changes.
+        """
+        if not isinstance(class_path, str):
+            raise InvalidBackendTypeError("class_path", class_path, "a dotted path string")
+        if default_cls is None:  # a class at hand may live in a function (a ``<locals>`` path)
+            check_class_path(class_path)
+        with REGISTRY_LOCK:
+            self.check_new_name(name)
+            same = [n for n in self.enum._member_map_ if n.upper() == name.upper()]
+            member = self._add(name, class_path)
+            if default_cls is not None:
+                member._default_cls_ = default_cls
+            for listener in list(_new_listeners):
+                listener(member)
+        if same:
+            warnings.warn(
+                f"new {self.label} {name!r} differs from {same[0]!r} only by case",
+                AttnDIWarning,
+                stacklevel=3,
+            )
+        return member
+
+    def remove_member(self, member: BackendEnum) -> None:
+        """Remove a runtime member and its providers (test isolation; built-ins are kept).
+
+        A member already removed by hand (as vLLM's tests do) only loses its providers.
+
+        Raises:
+            InvalidBackendNameError: ``member`` is a built-in member.
+        """
+        cls = self.enum
+        if member._name_ in self.builtin:
+            raise InvalidBackendNameError(
+                member._name_, "built-in members cannot be removed", enum=cls.__name__
+            )
+        with REGISTRY_LOCK:
+            if cls._member_map_.get(member._name_) is member:
+                del cls._member_map_[member._name_]
+                cls._member_names_.remove(member._name_)
+                if vars(cls).get(member._name_) is member:
+                    type.__delattr__(cls, member._name_)
+            if cls._value2member_map_.get(member._value_) is member:
+                del cls._value2member_map_[member._value_]
+            for listener in list(_removed_listeners):
+                listener(member)
+
+    def _add(self, name: str, class_path: str) -> Any:
+        cls = self.enum
+        member = object.__new__(cls)
+        member._name_ = name
+        member._value_ = class_path
+        member._sort_order_ = len(cls._member_names_)  # type: ignore[attr-defined]
+        add_member = getattr(cls, "_add_member_", None)  # Python >= 3.13
+        if add_member is not None:
+            add_member(name, member)
+        else:
+            type.__setattr__(cls, name, member)
+            cls._member_map_[name] = member
+            cls._member_names_.append(name)
+        stale = cls._value2member_map_.get(class_path)
+        if stale is None or cls._member_map_.get(stale._name_) is not stale:
+            cls._value2member_map_[class_path] = member
+        return member
+
+    def __repr__(self) -> str:
+        return f"<BackendFamily {self.key}: {self.enum.__name__}>"
+
+
+def family_of(enum_or_member: object) -> BackendFamily:
+    """The family of an enum class or of one of its members.
+
+    Raises:
+        InvalidBackendTypeError: neither.
+    """
+    cls = enum_or_member if isinstance(enum_or_member, type) else type(enum_or_member)
+    family = _FAMILIES.get(cls)
+    if family is None:
+        raise InvalidBackendTypeError(
+            "backend", enum_or_member, "a backend enum member (AttentionBackendEnum, ...)"
+        )
+    return family
+
+
+def families() -> tuple[BackendFamily, ...]:
+    """Every family, the primary (attention) first."""
+    return tuple(_FAMILIES.values())
+
+
+def on_new_member(listener: Callable[[Any], None]) -> None:
+    """Call ``listener(member)`` (under the registry lock) for every runtime member added."""
+    _new_listeners.append(listener)
+
+
+def on_removed_member(listener: Callable[[Any], None]) -> None:
+    """Call ``listener(member)`` (under the registry lock) for every runtime member removed."""
+    _removed_listeners.append(listener)
+
+
+def _member_by_name(enum: type[BackendEnum], name: str) -> BackendEnum:
+    return family_of(enum).lookup(name)  # type: ignore[no-any-return]

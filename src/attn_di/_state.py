@@ -1,0 +1,67 @@
+"""Shared registry state, at the bottom of the core: one lock, a generation counter, the
+context-local override layers, and the cells through which higher layers hook in.
+
+Nothing here imports another attn_di module. Higher modules install their hooks at import
+(the default container's getter, listeners of registration changes), so the core's imports
+run one way: names -> providers -> container -> selection -> default container -> facade.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+__all__ = [
+    "DEFAULT",
+    "GENERATION",
+    "LOCAL_LAYERS",
+    "REGISTRY_LOCK",
+    "DefaultCell",
+    "notify_registrations_changed",
+    "on_registrations_changed",
+]
+
+REGISTRY_LOCK = threading.RLock()
+"""Held by every change to the registry: member tables, registrations, override layers.
+
+Readers never take it on the fast path. Nothing imports while holding it."""
+
+GENERATION = [0]
+"""Bumped by every change to any provider's state: selection caches key on it."""
+
+LOCAL_LAYERS: ContextVar[tuple[Any, ...]] = ContextVar("attn_di_local_layers", default=())
+"""The context-local override layers (this thread / asyncio task), oldest first."""
+
+
+class DefaultCell:
+    """Where the default container is found: ``current`` (None before the first use) and
+    ``get`` (creates it), both installed by :mod:`attn_di._default`."""
+
+    __slots__ = ("current", "get")
+
+    def __init__(self) -> None:
+        self.current: Any = None
+        self.get: Callable[[], Any] = _not_installed
+
+
+def _not_installed() -> Any:  # pragma: no cover - attn_di/__init__ installs the real getter
+    raise RuntimeError("attn_di._default is not imported; import attn_di first")
+
+
+DEFAULT = DefaultCell()
+
+_listeners: list[Callable[[Any], None]] = []
+
+
+def on_registrations_changed(listener: Callable[[Any], None]) -> None:
+    """Call ``listener(container)`` after every change of what a container would export
+    (registrations, runtime members; ``container`` is None for process-wide changes)."""
+    _listeners.append(listener)
+
+
+def notify_registrations_changed(container: Any) -> None:
+    """Tell the listeners of :func:`on_registrations_changed` (called outside the lock)."""
+    for listener in list(_listeners):
+        listener(container)

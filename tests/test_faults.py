@@ -1,0 +1,231 @@
+"""Races and faults found by trying to break attn_di: concurrent members, plugins that raise
+BaseException, local overrides restored from other threads, bad paths, bad configs."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from importlib.metadata import EntryPoint
+from typing import Any
+
+import pytest
+
+import attn_di
+from attn_di import (
+    AttentionBackendEnum,
+    BackendContainer,
+    BackendImportError,
+    InvalidBackendTypeError,
+    MambaAttentionBackendEnum,
+    _plugins,
+    load_plugins,
+    parse_backend_name,
+    register_backend,
+    select_backend,
+)
+
+E = AttentionBackendEnum
+
+
+def test_members_created_while_others_read(container: BackendContainer) -> None:
+    """3 threads creating members while 3 export, iterate, print and parse: no exception."""
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    prefix = f"RACE_{os.getpid()}_"
+
+    def writer(index: int) -> None:
+        try:
+            for n in range(150):
+                name = f"{prefix}{index}_{n}"
+                enum = MambaAttentionBackendEnum if n % 3 == 0 else E
+                register_backend(name, "collections.OrderedDict", is_mamba=enum is not E)
+        except BaseException as error:
+            errors.append(error)
+
+    def reader(kind: int) -> None:
+        try:
+            while not stop.is_set():
+                if kind == 0:
+                    container.export_registrations()
+                elif kind == 1:
+                    names = [m.name for m in E] + list(E.__members__)
+                    repr(container)
+                    assert names
+                else:
+                    parse_backend_name("cpu-attn")
+                    with pytest.raises(ValueError, match="Unknown attention backend"):
+                        E["NO_SUCH_MEMBER"]
+        except BaseException as error:
+            errors.append(error)
+
+    readers = [threading.Thread(target=reader, args=(kind,)) for kind in range(3)]
+    writers = [threading.Thread(target=writer, args=(index,)) for index in range(3)]
+    for thread in readers + writers:
+        thread.start()
+    for thread in writers:
+        thread.join()
+    stop.set()
+    for thread in readers:
+        thread.join()
+    assert errors == []
+    assert sum(name.startswith(prefix) for name in E.__members__) == 300
+
+
+# -- plugins that raise BaseException -----------------------------------------------------
+PLUGIN_SOURCE = """
+import collections
+import sys
+import attn_di
+from attn_di import AttentionBackendEnum as E, MambaAttentionBackendEnum as M
+
+class Stop(BaseException):
+    pass
+
+def _partial():
+    attn_di.register_backend(E.TRITON_ATTN, "collections.Counter")
+    attn_di.register_backend("{new}", "collections.OrderedDict")
+    attn_di.register_backend(M.CUSTOM, "collections.OrderedDict")
+    attn_di.get_container().override(E.FLASH_ATTN, collections.Counter)
+    attn_di.get_container().override(E.CPU_ATTN, collections.Counter, local=True)
+
+def exits():
+    _partial()
+    sys.exit(3)
+
+def interrupts():
+    _partial()
+    raise KeyboardInterrupt
+
+def stops():
+    _partial()
+    raise Stop("custom BaseException")
+
+def good():
+    attn_di.register_backend(E.CUSTOM, "collections.OrderedDict")
+"""
+
+
+@pytest.fixture(name="plugins")
+def _plugins_fixture(
+    make_module: Callable[[str, str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    new_name: Callable[[], str],
+) -> Callable[[list[str]], str]:
+    """Install fake ``attn_di.plugins`` entry points to functions of one module; returns the
+    name of the member the failing plugins try to create."""
+    member_name = new_name()
+    module = make_module(
+        f"fault_plugins_{member_name.lower()}", PLUGIN_SOURCE.replace("{new}", member_name)
+    )
+
+    def install(functions: list[str]) -> str:
+        entry_points = [EntryPoint(fn, f"{module}:{fn}", _plugins.PLUGIN_GROUP) for fn in functions]
+        monkeypatch.setattr(_plugins, "_entry_points", lambda: entry_points)
+        return member_name
+
+    return install
+
+
+def _assert_rolled_back(container: BackendContainer, member_name: str) -> None:
+    assert not E.TRITON_ATTN.is_overridden()
+    assert not MambaAttentionBackendEnum.CUSTOM.is_overridden()
+    assert member_name not in E.__members__
+    assert container.active_overrides() == []
+    assert not E.CPU_ATTN.is_overridden()  # the local layer too
+
+
+@pytest.mark.parametrize("failing", ["exits", "stops"])
+def test_base_exception_plugin_is_rolled_back_and_later_ones_load(
+    failing: str, plugins: Callable[[list[str]], str], container: BackendContainer
+) -> None:
+    """SystemExit or a custom BaseException: rolled back (registrations, members, overrides),
+    recorded as failed, the next plugin loads, and a second load does not run it again."""
+    member_name = plugins([failing, "good"])
+    report = load_plugins()
+    _assert_rolled_back(container, member_name)
+    assert [(p.name, p.status) for p in report.plugins] == [(failing, "failed"), ("good", "loaded")]
+    assert report.failed[0].error is not None
+    assert container.backend(E.CUSTOM) is collections.OrderedDict
+    E.CUSTOM.clear_override()
+    assert load_plugins().plugins == report.plugins
+    assert not E.CUSTOM.is_overridden()  # "good" did not run again either
+
+
+def test_keyboard_interrupt_is_rolled_back_then_reraised(
+    plugins: Callable[[list[str]], str], container: BackendContainer
+) -> None:
+    """KeyboardInterrupt: rolled back and recorded, then re-raised; the plugins not reached load
+    at the next load_plugins(), and the interrupted one is not run again."""
+    member_name = plugins(["interrupts", "good"])
+    with pytest.raises(KeyboardInterrupt):
+        load_plugins()
+    _assert_rolled_back(container, member_name)
+    assert [(p.name, p.status) for p in attn_di.plugin_report().plugins] == [
+        ("interrupts", "failed")
+    ]
+    report = load_plugins()
+    assert [(p.name, p.status) for p in report.plugins] == [
+        ("interrupts", "failed"),
+        ("good", "loaded"),
+    ]
+    assert member_name not in E.__members__
+
+
+# -- local overrides restored elsewhere -----------------------------------------------------
+def test_local_override_restored_from_another_thread(container: BackendContainer) -> None:
+    """restore() from another thread ends the layer in the context that made it."""
+    register_backend(E.CUSTOM, "collections.OrderedDict")
+    handle = container.override(E.CUSTOM, collections.Counter, local=True)
+    assert container.backend(E.CUSTOM) is collections.Counter
+    thread = threading.Thread(target=handle.restore)
+    thread.start()
+    thread.join()
+    assert not handle.active
+    assert container.backend(E.CUSTOM) is collections.OrderedDict
+    assert E.CUSTOM.get_class() is collections.OrderedDict
+    assert container.source(E.CUSTOM) == "registered"
+    handle.restore()  # still a no-op
+
+
+# -- bad inputs ---------------------------------------------------------------------------------
+def test_a_path_to_a_function_is_refused_at_resolution(container: BackendContainer) -> None:
+    """A registered path naming a function: a typed import error naming member and path."""
+    register_backend(E.CUSTOM, "os.path.join")
+    with pytest.raises(BackendImportError, match="not a class") as caught:
+        container.backend(E.CUSTOM)
+    assert caught.value.member == "CUSTOM"
+    assert caught.value.class_path == "os.path.join"
+    assert caught.value.reason == BackendImportError.NOT_A_CLASS
+
+
+@pytest.mark.parametrize("config", [None, 128, "bfloat16", ["head_size"]])
+def test_select_backend_refuses_what_is_not_a_config(config: Any) -> None:
+    """Anything but a config or a mapping: a typed error naming ``config``."""
+    with pytest.raises(InvalidBackendTypeError, match="config must be an AttentionSelectorConfig"):
+        select_backend(config, device="cpu")
+
+
+def test_select_backend_accepts_a_mapping() -> None:
+    """A mapping of the config's fields selects like the config itself."""
+    selection = select_backend({"head_size": 64, "dtype": "float32"}, device="cpu")
+    assert selection.backend is E.CPU_ATTN
+    with pytest.raises(ValueError, match="unknown keys"):
+        select_backend({"head_size": 64, "dtype": "float32", "hed": 1}, device="cpu")
+
+
+def test_deeply_nested_registrations_env_is_a_typed_error() -> None:
+    """A deeply nested ATTN_DI_REGISTRATIONS fails at import with RegistrationsEnvError."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_DI_")}
+    env["ATTN_DI_REGISTRATIONS"] = "[" * 20_000 + "]" * 20_000
+    code = (
+        "try:\n import attn_di\nexcept Exception as e:\n"
+        " print(type(e).__name__, isinstance(e, ValueError))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "RegistrationsEnvError True"
