@@ -39,7 +39,8 @@ BackendKey = BackendEnum | str
 """A member (of either enum), or an attention member's exact name."""
 
 SELECTION_HOOKS: dict[str, Callable[..., Any]] = {}
-"""``"candidates"`` and ``"select"``: installed by :mod:`attn_di._selection` at import."""
+"""``"candidates"`` and ``"select"``: installed by :mod:`attn_di._default` (they load
+:mod:`attn_di._selection`, a higher layer, on first use)."""
 
 _C = TypeVar("_C")
 _MISSING: Any = object()

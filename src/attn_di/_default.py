@@ -12,14 +12,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-from attn_di import _container, _selection, _state
+from attn_di import _container, _state
 from attn_di._provider import BackendProvider
 from attn_di.exceptions import InvalidBackendTypeError
 
 if TYPE_CHECKING:
     from attn_di._container import BackendContainer, BackendKey
-
-_ = _selection  # imported for its hooks: the container's selection providers call them
 
 __all__ = ["get_container", "register_backend", "use_container"]
 
@@ -180,3 +178,18 @@ def _move_wiring(source: BackendContainer, target: BackendContainer) -> None:
 
 
 _state.DEFAULT.get = get_container
+
+
+def _candidates(device: Any, config: Any) -> Any:
+    from attn_di._selection import default_candidates  # on first use: import attn_di stays light
+
+    return default_candidates(device, config)
+
+
+def _select(container: Any, settings: Any) -> Any:
+    from attn_di._selection import select_from_settings
+
+    return select_from_settings(container, settings)
+
+
+_container.SELECTION_HOOKS.update(candidates=_candidates, select=_select)

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from attn_di import _state
-from attn_di._container import SELECTION_HOOKS
 from attn_di._device import Device, parse_device
 from attn_di._enum import AttentionBackendEnum, parse_backend_name
 from attn_di.exceptions import (
@@ -510,7 +509,3 @@ def _cache_put(key: tuple[Any, ...], selection: Selection) -> None:
         _cache[key] = selection
         while len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
-
-
-SELECTION_HOOKS["candidates"] = default_candidates
-SELECTION_HOOKS["select"] = select_from_settings

@@ -3,14 +3,16 @@
 Fixtures:
 
 - ``attn_di_container``: a fresh default container for the test (also a clean ``ATTN_DI_*``
-  environment and plugin state); runtime members the test adds are removed after it; the
-  test fails (an error at teardown) if it leaves an override layer active.
+  environment and plugin state, and automatic propagation off: call
+  ``attn_di.set_auto_propagation(True)`` in a test that starts workers relying on it);
+  runtime members the test adds (in either enum) are removed after it; the test fails (an
+  error at teardown) if it leaves an override layer active.
 - ``override_backend`` (:class:`attn_di.OverrideBackendFixture`): overrides restored when
   the test ends; uses ``attn_di_container``.
 
 Marker: ``@pytest.mark.attention_backend(member, impl, local=False)`` (or a mapping
-``{member: impl}``) overrides for one test, class or module; the marker closest to the test
-wins.
+``{member: impl}``; members of either enum) overrides for one test, class or module; the
+marker closest to the test wins.
 
 Nothing is autouse except the marker hook, which only looks for the marker. Importing this
 module imports attn_di (light: no torch, no entry-point scan).
