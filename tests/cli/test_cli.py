@@ -33,6 +33,7 @@ def test_list_json_describes_every_member() -> None:
     assert records["CPU_ATTN"]["plugin"] is None
 
 
+@pytest.mark.usefixtures("test_plugin")
 def test_list_shows_plugins_and_their_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
     """list names the distribution behind each plugin registration and each failed plugin."""
     monkeypatch.setenv("ATTN_DI_PLUGINS", "tiny,broken")
