@@ -137,7 +137,7 @@ def test_allowlisted_name_with_no_plugin_warns(
 
 
 def test_the_test_distribution_is_not_installed_in_the_environment() -> None:
-    """Outside the ``test_plugin`` fixture no process sees the test plugins (attn-di list stays clean)."""
+    """Outside the ``test_plugin`` fixture no process sees the test plugins (a clean list)."""
     check = (
         "from importlib.metadata import entry_points; "
         "print(sorted(ep.value for ep in entry_points(group='attn_di.plugins') "
