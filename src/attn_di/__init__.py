@@ -121,4 +121,10 @@ del _exported
 if _os.environ.get("ATTN_DI_REGISTRATIONS") is not None:  # a worker process: apply the parent's
     from attn_di._propagation import apply_inherited_registrations
 
-    apply_inherited_registrations()
+    try:
+        apply_inherited_registrations()
+    except RegistrationsEnvError as _error:  # the attn-di command: one line, not a traceback
+        from attn_di.cli._output import exit_if_command
+
+        exit_if_command(_error, _error.hint)
+        raise
