@@ -313,20 +313,22 @@ def _check_backend_names(args: argparse.Namespace) -> None:
 def _canonical_dtype(text: str) -> str:
     """``--dtype`` as a canonical name; an unknown one is refused with the closest suggestion.
 
-    A prefix of exactly one name suggests that name (``bfloat`` -> ``bfloat16``), where
-    spelling distance alone would suggest ``float32``.
+    A prefix of exactly one name suggests that name (``bfloat`` -> ``bfloat16``, where
+    spelling distance alone suggests ``float32``); otherwise the closest spelling does.
     """
     from attn_di._selection import canonical_dtype
 
     try:
         return canonical_dtype(text)
     except InvalidInputError as exc:
-        names = ("float32", "bfloat16", "float16")
         wanted = text.strip().lower()
+        names = ("float32", "bfloat16", "float16")
         by_prefix = [name for name in names if wanted and name.startswith(wanted)]
-        close = by_prefix[0] if len(by_prefix) == 1 else closest_name(wanted, names)
         exc.argument = "--dtype"
-        exc.hint = f"did you mean {close!r}?" if close else f"e.g. --dtype {RUN_DEFAULTS['dtype']}"
+        if len(by_prefix) == 1:
+            exc.hint = f"did you mean {by_prefix[0]!r}?"
+        elif not exc.hint or not exc.hint.startswith("did you mean"):
+            exc.hint = f"e.g. --dtype {RUN_DEFAULTS['dtype']}"
         raise
 
 
