@@ -372,7 +372,7 @@ def test_memory_estimate_is_linear_in_context_for_decode() -> None:
         return estimate_memory(args, 4).total
 
     assert total(2 * 2**20) / total(2**20) == pytest.approx(2, rel=1e-3)
-    assert total(8192) < 1e9  # the case: 8k tokens of decode were refused as ~18 GB
+    assert total(8192) < 2e9  # batch 1, 8k tokens of decode: once estimated at ~18 GB
 
 
 def test_float64_is_refused_like_everywhere_else() -> None:
