@@ -5,9 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# The venv also holds the test suite's plugin distribution (stand-in and deliberately broken
-# plugins, tests/plugin_dist): the main job loads no plugins.
-export ATTN_DI_PLUGINS=""
 echo "== python examples/tiny_llm/generate.py --backend auto --tokens 32"
 .venv/bin/python examples/tiny_llm/generate.py --backend auto --tokens 32
 echo "== attn-di list"

@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install attn_di with its torch, test and ray extras, and the
-# tiny plugin distribution its tests load (tests/plugin_dist).
+# Create .venv (if missing) and install attn_di with its torch, test, ray and cli extras.
 # torch is pinned and installed FIRST: torch==2.13.0 is the local CPU build on these
 # machines; any other version (or an unpinned torch) would pull a multi-GB CUDA build.
+# The tests' plugin distribution (tests/plugin_dist) is NOT installed here: the tests install
+# it into a temporary site directory of their own, so `attn-di list` shows only real plugins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-# pip's own exit status decides (pipefail); the filter only drops this machine's index notices.
+# pip's own exit status decides (pipefail); the filter drops only this machine's index notices.
+# (-q keeps pip to warnings and errors; the src layout gets no editable-install banner.)
 quiet() { "$@" 2>&1 | { grep -v "is ignored" || true; }; }
-quiet .venv/bin/python -m pip install -q --upgrade pip
-quiet .venv/bin/python -m pip install -q torch==2.13.0 numpy
-quiet .venv/bin/python -m pip install -q -e '.[torch,test,ray,cli]'
-quiet .venv/bin/python -m pip install -q --no-deps -e tests/plugin_dist
-.venv/bin/python -c "import attn_di, attn_di_test_plugin, torch, pytest, hypothesis, ray, dependency_injector; \
+pip() { quiet .venv/bin/python -m pip --disable-pip-version-check "$@"; }
+pip install -q --upgrade pip
+pip install -q torch==2.13.0 numpy
+pip install -q -e '.[torch,test,ray,cli]'
+# Environments made by earlier versions of this script had the test plugins installed.
+if .venv/bin/python -m pip show -q attn-di-test-plugin >/dev/null 2>&1; then
+    pip uninstall -q -y attn-di-test-plugin
+fi
+.venv/bin/python -c "import attn_di, torch, pytest, hypothesis, ray, dependency_injector; \
 print(f'attn_di ready: torch {torch.__version__}, dependency-injector {dependency_injector.__version__}')"
+echo "attn-di is at .venv/bin/attn-di (or: source .venv/bin/activate, then attn-di)"

@@ -3,6 +3,10 @@
 Through the ``attn_di_container`` fixture of attn_di's own pytest plugin: a test that leaves
 an override layer active (global or context-local) fails, and runtime members it adds are
 removed after it.
+
+The test plugin distribution (tests/plugin_dist) is never installed in the project's
+environment: the ``test_plugin`` fixture installs it into a session-scoped site directory
+and puts that on ``sys.path`` (and ``PYTHONPATH``, for subprocesses) for one test only.
 """
 
 from __future__ import annotations
@@ -10,10 +14,13 @@ from __future__ import annotations
 import importlib
 import itertools
 import os
+import shutil
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -59,3 +66,46 @@ def _make_module(
     for name in list(sys.modules):
         if name.split(".")[0] in packages:
             del sys.modules[name]
+
+
+PLUGIN_DIST = Path(__file__).parent / "plugin_dist"
+
+
+@pytest.fixture(scope="session", name="plugin_site")
+def _plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A site directory holding tests/plugin_dist, installed by pip for this session only.
+
+    A real installation (a dist-info with entry_points.txt), so ``importlib.metadata`` finds
+    its ``attn_di.plugins`` entry points exactly as it would in a user's environment. It is
+    built from a copy, so the checkout gets no build/ or egg-info.
+    """
+    root = tmp_path_factory.mktemp("plugin_dist")
+    source = shutil.copytree(
+        PLUGIN_DIST, root / "src", ignore=shutil.ignore_patterns("build", "*.egg-info")
+    )
+    site = root / "site"
+    command = [
+        sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+        "--no-build-isolation", "--disable-pip-version-check", "--target", str(site), str(source),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if result.returncode:
+        pytest.fail(f"cannot install tests/plugin_dist:\n{result.stdout}{result.stderr}")
+    return site
+
+
+@pytest.fixture(name="test_plugin")
+def _test_plugin(plugin_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The test plugin distribution, importable and discoverable for this test only.
+
+    Its site directory is prepended to ``sys.path`` and to ``PYTHONPATH`` (subprocesses such as
+    ``attn-di`` see it too); yields its module ``attn_di_test_plugin``.
+    """
+    monkeypatch.syspath_prepend(str(plugin_site))
+    inherited = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(plugin_site), *([inherited] if inherited else [])])
+    )
+    importlib.invalidate_caches()
+    yield importlib.import_module("attn_di_test_plugin")
+    sys.modules.pop("attn_di_test_plugin", None)

@@ -1,10 +1,15 @@
-"""Plugins: the tiny distribution in tests/plugin_dist, loaded through its entry points."""
+"""Plugins: the tiny distribution in tests/plugin_dist, loaded through its entry points.
+
+The distribution is installed for the test session only (the ``test_plugin`` fixture in
+conftest.py), never into the environment a user runs.
+"""
 
 from __future__ import annotations
 
 import logging
 import subprocess
 import sys
+from types import ModuleType
 
 import pytest
 
@@ -16,12 +21,6 @@ from attn_di import (
     plugin_report,
 )
 
-attn_di_test_plugin = pytest.importorskip(
-    "attn_di_test_plugin",
-    reason="the test plugin distribution is missing: run scripts/setup.sh "
-    "(pip install --no-deps -e tests/plugin_dist)",
-)
-
 DISTRIBUTION = "attn-di-test-plugin"
 
 
@@ -30,7 +29,7 @@ def _by_name(records: tuple[PluginRecord, ...]) -> dict[str, PluginRecord]:
 
 
 def test_allowlist_loads_only_the_named_plugins(
-    monkeypatch: pytest.MonkeyPatch, container: BackendContainer
+    monkeypatch: pytest.MonkeyPatch, container: BackendContainer, test_plugin: ModuleType
 ) -> None:
     """ATTN_DI_PLUGINS=tiny loads tiny only; the others are reported as skipped."""
     monkeypatch.setenv("ATTN_DI_PLUGINS", " tiny ,")
@@ -39,10 +38,11 @@ def test_allowlist_loads_only_the_named_plugins(
     assert {record.name for record in report.skipped} == {"extra", "broken", "unimportable"}
     assert report.failed == ()
     assert report.allowlist == ("tiny",)
-    assert container.backend("TINY_ATTN") is attn_di_test_plugin.TinyBackend
+    assert container.backend("TINY_ATTN") is test_plugin.TinyBackend
     assert container.source(AttentionBackendEnum.CUSTOM) == "unset"
 
 
+@pytest.mark.usefixtures("test_plugin")
 def test_empty_allowlist_loads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """ATTN_DI_PLUGINS set to an empty string allows no plugin."""
     monkeypatch.setenv("ATTN_DI_PLUGINS", "")
@@ -52,7 +52,7 @@ def test_empty_allowlist_loads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_registrations_are_attributed_to_the_distribution(
-    monkeypatch: pytest.MonkeyPatch, container: BackendContainer
+    monkeypatch: pytest.MonkeyPatch, container: BackendContainer, test_plugin: ModuleType
 ) -> None:
     """Each loaded plugin names its distribution and members; their source is "plugin"."""
     monkeypatch.setenv("ATTN_DI_PLUGINS", "tiny,extra")
@@ -65,13 +65,14 @@ def test_registrations_are_attributed_to_the_distribution(
     assert records["extra"].members == ("CUSTOM",)
     assert container.source("TINY_ATTN") == "plugin"
     assert container.source(AttentionBackendEnum.CUSTOM) == "plugin"
-    assert container.backend(AttentionBackendEnum.CUSTOM) is attn_di_test_plugin.ExtraBackend
+    assert container.backend(AttentionBackendEnum.CUSTOM) is test_plugin.ExtraBackend
     assert report.origin(AttentionBackendEnum.CUSTOM) is records["extra"]
     assert report.origin("TINY_ATTN") is records["tiny"]
     assert report.origin("FLASH_ATTN") is None
     assert plugin_report() is report
 
 
+@pytest.mark.usefixtures("test_plugin")
 def test_a_raising_plugin_is_reported_and_the_others_load(
     monkeypatch: pytest.MonkeyPatch,
     container: BackendContainer,
@@ -100,6 +101,7 @@ def test_a_raising_plugin_is_reported_and_the_others_load(
     assert loaded == [f"loaded attn_di plugin 'tiny' from {DISTRIBUTION} (registered TINY_ATTN)"]
 
 
+@pytest.mark.usefixtures("test_plugin")
 def test_an_unimportable_plugin_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """An entry point whose module does not import is a failed plugin, not a crash."""
     monkeypatch.setenv("ATTN_DI_PLUGINS", "unimportable")
@@ -108,23 +110,22 @@ def test_an_unimportable_plugin_is_reported(monkeypatch: pytest.MonkeyPatch) -> 
     assert failed.error.startswith("ModuleNotFoundError")
 
 
-def test_loading_is_idempotent(
-    monkeypatch: pytest.MonkeyPatch, container: BackendContainer
-) -> None:
+def test_loading_is_idempotent(monkeypatch: pytest.MonkeyPatch, test_plugin: ModuleType) -> None:
     """A second call runs no plugin again (failed ones included) and keeps the report."""
     monkeypatch.setenv("ATTN_DI_PLUGINS", "tiny,broken")
-    calls = dict(attn_di_test_plugin.CALLS)
+    calls = dict(test_plugin.CALLS)
     first = load_plugins()
     second = load_plugins()
     assert second.plugins[:2] == first.plugins[:2]
-    assert attn_di_test_plugin.CALLS["tiny"] == calls.get("tiny", 0) + 1
-    assert attn_di_test_plugin.CALLS["broken"] == calls.get("broken", 0) + 1
+    assert test_plugin.CALLS["tiny"] == calls.get("tiny", 0) + 1
+    assert test_plugin.CALLS["broken"] == calls.get("broken", 0) + 1
     monkeypatch.setenv("ATTN_DI_PLUGINS", "tiny,broken,extra")  # a newly allowed one loads
     third = load_plugins()
     assert [record.name for record in third.loaded] == ["tiny", "extra"]
-    assert attn_di_test_plugin.CALLS["tiny"] == calls.get("tiny", 0) + 1
+    assert test_plugin.CALLS["tiny"] == calls.get("tiny", 0) + 1
 
 
+@pytest.mark.usefixtures("test_plugin")
 def test_allowlisted_name_with_no_plugin_warns(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -133,6 +134,19 @@ def test_allowlisted_name_with_no_plugin_warns(
     report = load_plugins()
     assert report.missing == ("tinny",)
     assert "names 'tinny', but no such plugin is installed" in caplog.text
+
+
+def test_the_test_distribution_is_not_installed_in_the_environment() -> None:
+    """Outside the ``test_plugin`` fixture no process sees the test plugins (a clean list)."""
+    check = (
+        "from importlib.metadata import entry_points; "
+        "print(sorted(ep.value for ep in entry_points(group='attn_di.plugins') "
+        "if ep.value.startswith('attn_di_test_plugin')))"
+    )
+    output = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, check=True
+    ).stdout
+    assert output.strip() == "[]"
 
 
 def test_plugin_state_is_fresh_in_each_test() -> None:

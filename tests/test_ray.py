@@ -6,6 +6,7 @@ One local cluster (``num_cpus=1``) for the session; skipped when Ray is not inst
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,10 +15,6 @@ from attn_di import AttentionBackendEnum, get_container, ray_runtime_env, regist
 
 ray = pytest.importorskip(
     "ray", reason="Ray is optional: pip install 'attn_di[ray]' (scripts/setup.sh installs it)"
-)
-pytest.importorskip(
-    "attn_di_test_plugin",
-    reason="the test plugin distribution is missing: run scripts/setup.sh",
 )
 
 
@@ -34,8 +31,8 @@ def _ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.mark.usefixtures("ray_cluster")
-def test_ray_task_and_actor_resolve_the_drivers_registrations() -> None:
+@pytest.mark.usefixtures("ray_cluster", "test_plugin")
+def test_ray_task_and_actor_resolve_the_drivers_registrations(plugin_site: Path) -> None:
     """A remote task and an actor started with ray_runtime_env() see both registrations."""
 
     # Defined here so that Ray pickles them by value (workers cannot import this test module).
@@ -49,7 +46,8 @@ def test_ray_task_and_actor_resolve_the_drivers_registrations() -> None:
 
     register_backend(AttentionBackendEnum.CUSTOM, "attn_di_test_plugin.ExtraBackend")
     register_backend("RAY_ATTN", "attn_di_test_plugin:TinyBackend")  # a runtime member
-    runtime_env = ray_runtime_env()
+    # the workers import the backends from the test plugin's site directory
+    runtime_env = ray_runtime_env({"env_vars": {"PYTHONPATH": str(plugin_site)}})
     names = ["CUSTOM", "RAY_ATTN"]
     expected = {
         "CUSTOM": ("attn_di_test_plugin.ExtraBackend", "ExtraBackend"),

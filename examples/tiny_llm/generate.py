@@ -1,12 +1,15 @@
 """Generate with the tiny model through the selected (injected) attention backend.
 
 Run: ``python examples/tiny_llm/generate.py --backend auto --tokens 32``.
-Prints the generated token ids per prompt, the backend used and the per-token latency.
+Prints the generated token ids per prompt, the backend used and the per-token latency, with
+the torch thread count and the load average (a busy machine makes timings noisy: on one, use
+``--threads 1``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,18 +30,27 @@ PROMPTS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--backend", default="auto", help="auto or a backend name")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (None: one per core)"
+    )
     args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
     config = ModelConfig(dtype=args.dtype, seed=args.seed)
     capacity = (config.num_blocks - 1) * config.block_size
     needed = sum(-(-(len(p) + args.tokens) // config.block_size) for p in PROMPTS)
     if args.tokens < 1 or needed > config.num_blocks - 1:
         limit = capacity // len(PROMPTS) - max(map(len, PROMPTS)) - config.block_size
         parser.error(f"--tokens must be between 1 and about {limit} (the KV cache's size)")
+    threads, load = _threads_and_load(args.threads)
     container = get_container()
     configure(container, config, args.backend)
     container.wire(modules=["llm_engine"], warn_unresolved=True)
@@ -58,9 +70,29 @@ def main(argv: list[str] | None = None) -> int:
         per_token = statistics.median(result.decode_s) * 1e3
         print(
             f"prefill {result.prefill_s * 1e3:.2f} ms; decode {per_token:.2f} ms per token "
-            f"(median of {len(result.decode_s)} steps, batch {len(PROMPTS)})"
+            f"(median of {len(result.decode_s)} steps, batch {len(PROMPTS)}; "
+            f"{threads} torch thread(s), load average {load:.2f} on {os.cpu_count()} CPUs)"
         )
     return 0
+
+
+def _threads_and_load(threads: int | None) -> tuple[int, float]:
+    """Apply ``--threads``; warn on stderr when the machine is busy (timings will be noisy)."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    cpus = os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    used = torch.get_num_threads()
+    if load + used > 1.25 * cpus and load > 0.5 * cpus:
+        advice = "; try --threads 1" if used > 1 else ""
+        print(
+            f"generate.py: warning: this machine is busy (load average {load:.2f} on {cpus} "
+            f"CPUs, {used} torch thread(s)): timings will be noisy{advice}",
+            file=sys.stderr,
+        )
+    return used, load
 
 
 if __name__ == "__main__":

@@ -135,4 +135,10 @@ for _exported in (
 del _exported
 
 if _os.environ.get("ATTN_DI_REGISTRATIONS") is not None:  # a worker process: apply the parent's
-    _apply_inherited_registrations()
+    try:
+        _apply_inherited_registrations()
+    except RegistrationsEnvError as _error:  # the attn-di command: one line, not a traceback
+        from attn_di.cli._output import exit_if_command
+
+        exit_if_command(_error, _error.hint)
+        raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,11 +14,26 @@ import pytest
 SMALL = ["--batch", "2", "--context", "40", "--heads", "4", "--kv-heads", "2", "--head-size", "64"]
 
 
-def attn_di(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m attn_di ARGS`` and capture its output."""
+def attn_di(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m attn_di ARGS`` (with ``env`` added to the environment), capturing output."""
     return subprocess.run(
-        [sys.executable, "-m", "attn_di", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "attn_di", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
     )
+
+
+def error_and_hint(result: subprocess.CompletedProcess[str]) -> tuple[str, str]:
+    """The ``attn-di: error:`` line and the ``hint:`` line of a failed command."""
+    lines = result.stderr.splitlines()
+    assert "Traceback" not in result.stderr
+    errors = [line for line in lines if line.startswith("attn-di: error: ")]
+    hints = [line for line in lines if line.startswith("hint: ")]
+    assert len(errors) == 1, result.stderr
+    assert len(hints) == 1, result.stderr
+    return errors[0].removeprefix("attn-di: error: "), hints[0].removeprefix("hint: ")
 
 
 def test_list_json_describes_every_member() -> None:
@@ -33,6 +49,7 @@ def test_list_json_describes_every_member() -> None:
     assert records["CPU_ATTN"]["plugin"] is None
 
 
+@pytest.mark.usefixtures("test_plugin")
 def test_list_shows_plugins_and_their_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
     """list names the distribution behind each plugin registration and each failed plugin."""
     monkeypatch.setenv("ATTN_DI_PLUGINS", "tiny,broken")
@@ -155,7 +172,7 @@ def test_run_exits_non_zero_when_a_check_fails(tmp_path: pytest.TempPathFactory)
         (["run", "--batch", "0"], "--batch: must be positive, got 0"),
         (["run", "--context", "-5"], "--context: must be >= 0, got -5"),
         (["run", "--dtype", "float33"], "dtype: unknown dtype 'float33'"),
-        (["run", "--dtype", "float64"], "float64 is not run here"),
+        (["run", "--dtype", "bfloat"], "--dtype: unknown dtype 'bfloat'"),
         (["select", "--head-size", "0", "--dtype", "bf16"],
          "head_size: must be a positive int, got 0"),
         (["select", "--head-size", "64", "--dtype", "bf16", "--device", "tpu"],
@@ -198,3 +215,329 @@ def test_console_script_is_installed() -> None:
     assert result.stdout.startswith("usage: attn-di")
     for command in ("list", "select", "run"):
         assert f"    {command} " in result.stdout
+
+
+def test_version() -> None:
+    """--version prints the installed distribution's version."""
+    from importlib.metadata import version
+
+    result = attn_di("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"attn-di {version('attn-di')}"
+
+
+def test_help_shows_the_defaults() -> None:
+    """run --help shows each option's default, the values the run uses."""
+    result = attn_di("run", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for fragment in (
+        "sequences in the batch (default: 8)",
+        "cached tokens per sequence (default: 2048)",
+        "query heads (default: 32)",
+        "float32, bfloat16 or float16 (default: float32)",
+    ):
+        assert fragment in text
+
+
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (["run", "--batsh", "3"], "did you mean --batch? see `attn-di run --help`"),
+        (["select", "--head-size", "64", "--dtype", "bf16", "--bogus"],
+         "see `attn-di select --help`"),
+        (["list", "--jsn"], "did you mean --json? see `attn-di list --help`"),
+        (["run", "--batch", "abc"], "see `attn-di run --help`"),
+    ],
+)  # fmt: skip
+def test_a_bad_option_points_to_its_subcommands_help(args: list[str], hint: str) -> None:
+    """An unknown or malformed option of a subcommand names that subcommand's help."""
+    result = attn_di(*args)
+    assert result.returncode == 2
+    assert error_and_hint(result)[1] == hint
+
+
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (["run", "--batch", "0"], "e.g. --batch 8"),
+        (["run", "--heads", "0"], "e.g. --heads 32"),
+        (["run", "--iters", "-1"], "e.g. --iters 5"),
+        (["run", "--heads", "30"], "GQA needs heads to be a multiple of kv-heads, "
+         "e.g. --heads 32 --kv-heads 8"),
+        (["run", "--dtype", "bfloat"], "did you mean 'bfloat16'?"),
+        (["run", "--dtype", "fp3"], "did you mean 'float32'?"),
+        (["run", "--threads", "0"], "e.g. --threads 1"),
+    ],
+)  # fmt: skip
+def test_hints_quote_the_real_defaults(args: list[str], hint: str) -> None:
+    """Hint examples are the defaults of `attn-di run` (and --dtype bfloat suggests bfloat16)."""
+    result = attn_di(*args)
+    assert result.returncode == 2
+    assert error_and_hint(result)[1] == hint
+
+
+def test_unknown_backend_is_refused_before_torch_is_imported() -> None:
+    """--backend typo: the error names --backend, suggests the name, points to attn-di list."""
+    code = (
+        "import sys\n"
+        "from attn_di.cli import main\n"
+        "code = main(['run', '--backend', 'FLASH_ATN'])\n"
+        "print('torch' in sys.modules, code)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert result.stdout.split() == ["False", "2"]
+    error, hint = error_and_hint(result)
+    assert error.startswith("--backend: unknown attention backend 'FLASH_ATN'")
+    assert hint == "did you mean 'FLASH_ATTN'? `attn-di list` shows every backend"
+
+
+@pytest.mark.parametrize("command", [["run"], ["select", "--head-size", "64", "--dtype", "bf16"]])
+def test_an_unknown_name_in_attn_di_backend_names_the_variable(command: list[str]) -> None:
+    """ATTN_DI_BACKEND=cpu_atn: the error and the hint name the variable and suggest CPU_ATTN."""
+    result = attn_di(*command, ATTN_DI_BACKEND="cpu_atn")
+    assert result.returncode == 2
+    error, hint = error_and_hint(result)
+    assert error.startswith("ATTN_DI_BACKEND='cpu_atn': unknown attention backend 'cpu_atn'")
+    assert hint == "did you mean ATTN_DI_BACKEND=CPU_ATTN? `attn-di list` shows every backend"
+    far = attn_di(*command, ATTN_DI_BACKEND="nope")
+    assert error_and_hint(far)[1] == (
+        "unset ATTN_DI_BACKEND (or set it to auto) to let attn_di choose; "
+        "`attn-di list` shows every backend"
+    )
+
+
+def test_a_backend_refused_from_attn_di_backend_says_so() -> None:
+    """ATTN_DI_BACKEND=FLASH_ATTN on this CPU: the refusal and its hint name the variable."""
+    result = attn_di("run", "--iters", "1", ATTN_DI_BACKEND="FLASH_ATTN")
+    assert result.returncode == 1
+    error, hint = error_and_hint(result)
+    assert error.startswith("attention backend FLASH_ATTN (from ATTN_DI_BACKEND) cannot run")
+    assert hint.startswith("ATTN_DI_BACKEND=FLASH_ATTN asked for it: unset ATTN_DI_BACKEND")
+    assert "--backend auto" not in hint  # --backend auto does not override the variable
+
+
+def test_a_refused_backend_option_hints_at_auto() -> None:
+    """--backend FLASH_ATTN on this CPU: exit 1, the hint is about --backend auto."""
+    result = attn_di("run", "--backend", "FLASH_ATTN")
+    assert result.returncode == 1
+    error, hint = error_and_hint(result)
+    assert error.startswith("attention backend FLASH_ATTN (from --backend) cannot run")
+    assert hint.startswith("use --backend auto to let attn_di choose")
+
+
+@pytest.mark.parametrize(
+    ("args", "label", "part"),
+    [
+        (["--batch", "100000000", "--context", "100000000"], "--batch and --context",
+         "the KV cache (--batch 100000000, --context 100000000)"),
+        (["--batch", "1", "--context", "100000000"], "--context",
+         "the KV cache (--context 100000000)"),
+        (["--block-size", "10000000"], "--block-size", "the KV cache (--block-size 10000000)"),
+        (["--batch", "1", "--context", "100000", "--prefill", "100000", "--heads", "64",
+          "--kv-heads", "1"], "--prefill and --context and --heads", "the attention scores"),
+    ],
+)  # fmt: skip
+def test_memory_refusal_is_instant_and_names_its_cause(
+    args: list[str], label: str, part: str
+) -> None:
+    """Absurd sizes are refused from the sizes alone (no torch), labelled by the inputs at fault."""
+    code = (
+        "import sys\n"
+        "from attn_di.cli import main\n"
+        f"code = main(['run', *{args!r}])\n"
+        "print('torch' in sys.modules, code)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.split() == ["False", "2"]
+    error, hint = error_and_hint(result)
+    assert error.startswith(f"{label}: this batch needs about ")
+    assert f" GB of it for {part}" in error
+    assert hint.startswith("lower ")
+
+
+def test_memory_estimate_is_linear_in_context_for_decode() -> None:
+    """Decode: doubling --context doubles the estimate (no quadratic term), and 8k tokens fit."""
+    from argparse import Namespace
+
+    from attn_di.cli._main import RUN_DEFAULTS
+    from attn_di.cli._run import estimate_memory
+
+    def total(context: int) -> int:
+        args = Namespace(**{**RUN_DEFAULTS, "batch": 1, "context": context})
+        return estimate_memory(args, 4).total
+
+    assert total(2 * 2**20) / total(2**20) == pytest.approx(2, rel=1e-3)
+    assert total(8192) < 2e9  # batch 1, 8k tokens of decode: once estimated at ~18 GB
+
+
+def test_float64_is_refused_like_everywhere_else() -> None:
+    """run --dtype float64 is refused by selection, as the example engine's --dtype float64 is."""
+    result = attn_di("run", "--dtype", "float64")
+    assert result.returncode == 1
+    error, _ = error_and_hint(result)
+    assert "dtype='float64'" in error
+    assert "CPU_ATTN: dtype not supported" in result.stderr
+    example = Path(__file__).parents[2] / "examples" / "tiny_llm" / "generate.py"
+    generated = subprocess.run(
+        [sys.executable, str(example), "--dtype", "float64", "--tokens", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert generated.returncode == 2
+    assert "Traceback" not in generated.stderr
+    assert "dtype='float64'" in generated.stderr
+    assert "CPU_ATTN: dtype not supported" in generated.stderr
+
+
+def test_threads_and_load_average_are_reported() -> None:
+    """run --threads 1 runs with one torch thread and reports it with the load average."""
+    result = attn_di("run", *SMALL, "--iters", "1", "--threads", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    machine = json.loads(result.stdout)["machine"]
+    assert machine["threads"] == 1
+    assert machine["load_average"] == pytest.approx(os.getloadavg()[0], abs=5)
+    assert machine["cpus"] == os.cpu_count()
+    table = attn_di("run", *SMALL, "--iters", "1", "--threads", "1")
+    assert "timed with 1 torch thread(s) on " in table.stdout
+    assert "load average " in table.stdout
+    busy = "attn-di: warning: this machine is busy" in table.stderr
+    assert busy == ("(busy: timings are noisy)" in table.stdout)
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    """`attn-di list | head -1`: the reader is gone; exit 0, nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "attn_di", "list"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 0
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("value", ["{", "[1]", '{"CUSTOM": 3}'])
+def test_malformed_registrations_variable_is_one_line(value: str) -> None:
+    """A malformed ATTN_DI_REGISTRATIONS: one error line and a hint, exit 2 (console script too)."""
+    result = attn_di("list", ATTN_DI_REGISTRATIONS=value)
+    assert result.returncode == 2
+    error, hint = error_and_hint(result)
+    assert error.startswith("cannot apply the registrations inherited in ATTN_DI_REGISTRATIONS")
+    assert "ATTN_DI_REGISTRATIONS is written by" in hint
+    script = shutil.which("attn-di", path=str(Path(sys.executable).parent))
+    assert script is not None
+    by_script = subprocess.run(
+        [script, "list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ATTN_DI_REGISTRATIONS": value},
+    )
+    assert by_script.returncode == 2
+    assert error_and_hint(by_script) == (error, hint)
+
+
+REGISTRATIONS = ["--register", "MY_ATTN=attn_di.backends.cpu_attn:CPUAttentionBackend"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [*REGISTRATIONS, "run", "--backend", "MY_ATTN", *SMALL, "--iters", "1", "--json"],
+        ["run", *REGISTRATIONS, "--backend", "my_attn", *SMALL, "--iters", "1", "--json"],
+    ],
+)
+def test_register_before_or_after_the_subcommand(args: list[str]) -> None:
+    """--register NAME=PATH adds a member for one invocation; run uses it by name."""
+    result = attn_di(*args)
+    assert result.returncode == 0, result.stderr
+    (record,) = json.loads(result.stdout)["results"]
+    assert record["backend"] == "MY_ATTN"
+    assert record["passed"] is True
+
+
+def test_register_is_repeatable_and_shown_by_list() -> None:
+    """Two --register options: list shows the new runtime member and the registered CUSTOM."""
+    result = attn_di(
+        *REGISTRATIONS, "list", "--register", "CUSTOM=collections:OrderedDict", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    records = {r["name"]: r for r in json.loads(result.stdout)["members"]}
+    assert records["MY_ATTN"]["path"] == "attn_di.backends.cpu_attn:CPUAttentionBackend"
+    assert records["MY_ATTN"]["runtime_member"] is True
+    assert records["MY_ATTN"]["imports"] is True
+    assert records["CUSTOM"]["path"] == "collections:OrderedDict"
+    assert records["CUSTOM"]["source"] == "registered"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("MY_ATTN", "--register: expected NAME=pkg.module:Class, got 'MY_ATTN'"),
+        ("MY_ATTN=not a path", "--register: MY_ATTN=not a path: "),
+        ("TRITON_ATN=a.b:C", "--register: TRITON_ATN=a.b:C: "),
+    ],
+)
+def test_a_bad_register_is_one_line(spec: str, message: str) -> None:
+    """A malformed --register spec, path or too-close name: one error line, exit 2."""
+    result = attn_di("--register", spec, "list")
+    assert result.returncode == 2
+    error, _ = error_and_hint(result)
+    assert error.startswith(message)
+
+
+def test_import_runs_the_modules_registrations(tmp_path: Path) -> None:
+    """--import MODULE (found from the current directory) applies its @register_backend."""
+    tmp_path.joinpath("my_backends.py").write_text(
+        "from attn_di import register_backend\n"
+        "from attn_di.backends.cpu_attn import CPUAttentionBackend\n\n"
+        "@register_backend('IMPORTED_ATTN')\n"
+        "class ImportedBackend(CPUAttentionBackend):\n"
+        "    pass\n"
+    )
+    script = shutil.which("attn-di", path=str(Path(sys.executable).parent))
+    assert script is not None
+    result = subprocess.run(
+        [script, "run", "--import", "my_backends", "--backend", "IMPORTED_ATTN", *SMALL,
+         "--iters", "1", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["results"][0]["backend"] == "IMPORTED_ATTN"
+    missing = attn_di("--import", "no_such_module_here", "list")
+    assert missing.returncode == 2
+    assert error_and_hint(missing)[0] == (
+        "--import: cannot import 'no_such_module_here': No module named 'no_such_module_here'"
+    )
+
+
+def test_example_engine_takes_threads_and_reports_the_load() -> None:
+    """generate.py --threads 1: one torch thread, reported next to the per-token latency."""
+    example = Path(__file__).parents[2] / "examples" / "tiny_llm" / "generate.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--tokens", "2", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    timing = result.stdout.splitlines()[-1]
+    assert timing.startswith("prefill ")
+    assert "1 torch thread(s), load average " in timing
+    refused = subprocess.run(
+        [sys.executable, str(example), "--threads", "0"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2
+    assert "--threads must be at least 1" in refused.stderr

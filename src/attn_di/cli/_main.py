@@ -1,33 +1,71 @@
-"""Argument parsing and dispatch for ``attn-di``."""
+"""Argument parsing and dispatch for ``attn-di``.
+
+Before a subcommand runs, ``main`` loads the installed plugins, imports the ``--import``
+modules and applies the ``--register`` registrations (in that order: the most specific last),
+then checks every backend name (``--backend`` and ``ATTN_DI_BACKEND``), so that a typo is
+reported at once, before torch is imported.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from attn_di.cli._output import print_error
 from attn_di.exceptions import (
     AttnDIError,
     BackendRejectedError,
+    InvalidInputError,
     NoValidBackendError,
     UnknownBackendError,
+    closest_name,
 )
 
-__all__ = ["build_parser", "main"]
+__all__ = ["RUN_DEFAULTS", "build_parser", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a check failed, or no backend could be chosen
 EXIT_USAGE = 2  # bad input: names, shapes, dtypes (argparse uses 2 as well)
+
+BACKEND_ENV = "ATTN_DI_BACKEND"  # attn_di._selection.ENV_BACKEND, read without importing it
+
+RUN_DEFAULTS: dict[str, Any] = {
+    "backend": "auto",
+    "batch": 8,
+    "context": 2048,
+    "prefill": 0,
+    "heads": 32,
+    "kv_heads": 8,
+    "head_size": 128,
+    "dtype": "float32",
+    "block_size": 16,
+    "iters": 5,
+    "seed": 0,
+    "threads": None,
+}
+"""The defaults of ``attn-di run``: the parser's, and the values hints quote as examples."""
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one ``attn-di: error:`` line and a hint, exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        print_error(f"{message}", f"see `{self.prog} --help`")
+        print_error(message, f"see `{self.prog} --help`")
         sys.exit(EXIT_USAGE)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default after its help, unless the default is None or a flag's."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or action.nargs == 0 or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,48 +73,83 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="attn-di",
         description="List, select and run attention backends (attn_di).",
+        formatter_class=_HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    _add_registration_arguments(parser, suffix="")
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )
 
-    listing = commands.add_parser("list", help="every backend, where it comes from, if it imports")
+    def add_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        command = commands.add_parser(
+            name, help=help_text, description=help_text, formatter_class=_HelpFormatter
+        )
+        _add_registration_arguments(command, suffix="_after")
+        return command
+
+    listing = add_command("list", "every backend, where it comes from, if it imports")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    select = commands.add_parser("select", help="which backend a configuration gets, and why")
+    select = add_command("select", "which backend a configuration gets, and why")
     _add_config_arguments(select)
-    select.add_argument(
-        "--device", default=None, help="cpu, cuda, cuda:9.0, rocm (default: detect)"
-    )
-    select.add_argument("--backend", default=None, help="force a backend (name, or auto)")
+    select.add_argument("--device", help="cpu, cuda, cuda:9.0 or rocm (default: detect)")
+    select.add_argument("--backend", help="force a backend: a name from `attn-di list`, or auto")
     select.add_argument("--json", action="store_true", help="print JSON instead of text")
 
-    run = commands.add_parser("run", help="run and check a paged-attention batch, with timings")
-    run.add_argument("--backend", default="auto", help="auto, a backend name, or all")
-    run.add_argument("--batch", type=int, default=8, help="sequences in the batch (default 8)")
-    run.add_argument("--context", type=int, default=2048, help="cached tokens per sequence")
+    run = add_command("run", "run and check a paged-attention batch, with timings")
+    run.set_defaults(**RUN_DEFAULTS)
+    run.add_argument("--backend", help="auto, a name from `attn-di list`, or all")
+    run.add_argument("--batch", type=int, help="sequences in the batch")
+    run.add_argument("--context", type=int, help="cached tokens per sequence")
     run.add_argument(
         "--prefill",
         type=int,
-        default=0,
         help="new tokens per chunked-prefill sequence; half the batch prefills (0: all decode)",
     )
-    run.add_argument("--heads", type=int, default=32, help="query heads")
-    run.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
-    run.add_argument("--head-size", type=int, default=128)
-    run.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    run.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
-    run.add_argument("--iters", type=int, default=5, help="timed iterations (median reported)")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--heads", type=int, help="query heads")
+    run.add_argument("--kv-heads", type=int, help="key/value heads (GQA)")
+    run.add_argument("--head-size", type=int, help="channels per head")
+    run.add_argument("--dtype", help="float32, bfloat16 or float16")
+    run.add_argument("--block-size", type=int, help="KV-cache block size in tokens")
+    run.add_argument("--iters", type=int, help="timed iterations (the median is reported)")
+    run.add_argument("--seed", type=int, help="seed of the random batch")
+    run.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads (default: torch's, one per core; 1 on a busy machine)",
+    )
     run.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
+def _add_registration_arguments(parser: argparse.ArgumentParser, suffix: str) -> None:
+    """``--register`` and ``--import``, before the subcommand (suffix "") or after ("_after")."""
+    parser.add_argument(
+        "--register",
+        dest=f"register{suffix}",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="register a backend for this invocation, e.g. MY_ATTN=my_pkg.attention:MyBackend "
+        "(repeatable; a new NAME adds a runtime member)",
+    )
+    parser.add_argument(
+        "--import",
+        dest=f"import{suffix}",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first, so that the registrations it makes at import apply "
+        "(repeatable; the current directory is searched too)",
+    )
+
+
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--head-size", type=int, required=True)
+    parser.add_argument("--head-size", type=int, required=True, help="channels per head")
     parser.add_argument("--dtype", required=True, help="e.g. bfloat16, float16, float32")
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="e.g. auto, fp8")
+    parser.add_argument("--block-size", type=int, help="KV-cache block size in tokens")
     parser.add_argument("--mla", action="store_true", help="multi-head latent attention")
     parser.add_argument("--sink", action="store_true", help="the layer has attention sinks")
     parser.add_argument("--sparse", action="store_true", help="sparse attention")
@@ -84,35 +157,41 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "--attn-type",
         default="decoder",
         choices=["decoder", "encoder", "encoder_only", "encoder_decoder"],
+        help="the layer's attention type",
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``attn-di``; returns the exit code (0 ok, 1 failed check / no backend, 2 bad input)."""
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     try:
-        _load_plugins_quietly()
-        if args.command == "list":
-            from attn_di.cli._list import run_list
-
-            return run_list(args)
-        if args.command == "select":
-            from attn_di.cli._select import run_select
-
-            return run_select(args)
-        from attn_di.cli._run import run_batch
-
-        return run_batch(args)
+        code = _dispatch(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:  # e.g. `attn-di list | head -1`: stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except BackendRejectedError as exc:
+        from_env = exc.origin == BACKEND_ENV
         exc.origin = "--backend" if exc.origin == "backend= argument" else exc.origin
-        print_error(exc.message(), "use --backend auto to let attn_di choose")
+        if from_env:
+            hint = (
+                f"{BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')} asked for it: unset "
+                f"{BACKEND_ENV} to let attn_di choose, or set it to a backend that runs here"
+            )
+        else:
+            hint = "use --backend auto to let attn_di choose; `attn-di list` shows what imports"
+        print_error(exc.message(), hint)
         return EXIT_FAILED
     except NoValidBackendError as exc:
-        print_error(exc.message(), exc.hint)
+        print_error(
+            exc.message(),
+            "change the configuration, or register a backend that supports it "
+            "(--register NAME=pkg.module:Class); `attn-di list` shows every backend",
+        )
         return EXIT_FAILED
     except UnknownBackendError as exc:
-        all_hint = "`all` is for attn-di run" if str(exc.name).strip().lower() == "all" else None
-        print_error(exc.message(), all_hint or exc.hint)
+        print_error(exc.message(), _unknown_backend_hint(exc))
         return EXIT_USAGE
     except AttnDIError as exc:
         print_error(exc.message(), exc.hint)
@@ -126,11 +205,147 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # e.g. `attn-di list | head`: stop quietly, as other tools do
-        import os
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse; an unknown option is reported by the subcommand it was given to."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command = _subparser(parser, args.command)
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        options = [o for action in command._actions for o in action.option_strings]
+        close = closest_name(extras[0].split("=", 1)[0], options)
+        hint = f"see `{command.prog} --help`"
+        print_error(message, f"did you mean {close}? {hint}" if close else hint)
+        sys.exit(EXIT_USAGE)
+    args.register = [*args.register, *args.register_after]
+    args.imports = [*getattr(args, "import"), *args.import_after]
+    return args
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    return parser  # pragma: no cover - every attn-di command is a subcommand
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    _load_plugins_quietly()
+    _import_modules(args.imports)
+    _register(args.register)
+    _check_backend_names(args)
+    if args.command in ("select", "run"):
+        args.dtype = _canonical_dtype(args.dtype)
+    if args.command == "list":
+        from attn_di.cli._list import run_list
+
+        return run_list(args)
+    if args.command == "select":
+        from attn_di.cli._select import run_select
+
+        return run_select(args)
+    from attn_di.cli._run import run_batch
+
+    return run_batch(args)
+
+
+def _import_modules(modules: Sequence[str]) -> None:
+    """``--import``: import each module (its registrations apply), the current directory first."""
+    import importlib
+
+    if modules and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise InvalidInputError(
+                "--import",
+                f"cannot import {module!r}: {exc}",
+                hint="give a module name (my_pkg.attention, not a file path) that is installed "
+                "or found from the current directory",
+            ) from exc
+
+
+def _register(specs: Sequence[str]) -> None:
+    """``--register NAME=PATH``: register each path (lazily) in the default container."""
+    from attn_di import register_backend
+
+    for spec in specs:
+        name, sep, class_path = spec.partition("=")
+        if not sep or not name.strip() or not class_path.strip():
+            raise InvalidInputError(
+                "--register",
+                f"expected NAME=pkg.module:Class, got {spec!r}",
+                hint="e.g. --register MY_ATTN=my_pkg.attention:MyBackend",
+            )
+        try:
+            register_backend(name.strip(), class_path.strip())
+        except AttnDIError as exc:
+            raise InvalidInputError("--register", f"{spec}: {exc.message()}", exc.hint) from exc
+
+
+def _check_backend_names(args: argparse.Namespace) -> None:
+    """Refuse an unknown ``--backend`` or ``ATTN_DI_BACKEND`` now, naming where it came from."""
+    from attn_di import parse_backend_name
+
+    flag: str | None = getattr(args, "backend", None)
+    word = (flag or "").strip().lower()
+    given = word not in ("", "auto")
+    if given and not (args.command == "run" and word == "all"):
+        try:
+            parse_backend_name(flag)
+        except UnknownBackendError as exc:
+            raise InvalidInputError("--backend", exc.message(), _unknown_backend_hint(exc)) from exc
+    env = os.environ.get(BACKEND_ENV)
+    if env is not None and not given and args.command != "list":
+        try:
+            parse_backend_name(env)
+        except UnknownBackendError as exc:
+            raise InvalidInputError(
+                f"{BACKEND_ENV}={env!r}", exc.message(), _unknown_backend_hint(exc, BACKEND_ENV)
+            ) from exc
+
+
+def _canonical_dtype(text: str) -> str:
+    """``--dtype`` as a canonical name; an unknown one is refused with the closest suggestion.
+
+    A prefix of exactly one name suggests that name (``bfloat`` -> ``bfloat16``, where
+    spelling distance alone suggests ``float32``); otherwise the closest spelling does.
+    """
+    from attn_di._selection import canonical_dtype
+
+    try:
+        return canonical_dtype(text)
+    except InvalidInputError as exc:
+        wanted = text.strip().lower()
+        names = ("float32", "bfloat16", "float16")
+        by_prefix = [name for name in names if wanted and name.startswith(wanted)]
+        exc.argument = "--dtype"
+        if len(by_prefix) == 1:
+            exc.hint = f"did you mean {by_prefix[0]!r}?"
+        elif not exc.hint or not exc.hint.startswith("did you mean"):
+            exc.hint = f"e.g. --dtype {RUN_DEFAULTS['dtype']}"
+        raise
+
+
+def _unknown_backend_hint(exc: UnknownBackendError, variable: str | None = None) -> str:
+    """The CLI's hint for an unknown name: the closest one, and CLI commands (not Python)."""
+    if str(exc.name).strip().lower() == "all" and variable is None:
+        return "`all` is for attn-di run; `attn-di list` shows every backend"
+    if variable is not None:
+        advice = (
+            f"did you mean {variable}={exc.suggestion}? "
+            if exc.suggestion
+            else f"unset {variable} (or set it to auto) to let attn_di choose; "
+        )
+        return f"{advice}`attn-di list` shows every backend"
+    if exc.suggestion:
+        return f"did you mean {exc.suggestion!r}? `attn-di list` shows every backend"
+    return "use auto to let attn_di choose; `attn-di list` shows every backend and if it imports"
 
 
 def _load_plugins_quietly() -> None:
@@ -138,12 +353,21 @@ def _load_plugins_quietly() -> None:
     logged tracebacks on every command (unless the caller configured logging)."""
     import logging
 
-    from attn_di._plugins import load_plugins
+    from attn_di import load_plugins
 
     plugin_logger = logging.getLogger("attn_di.plugins")
     if not logging.getLogger().handlers and not plugin_logger.handlers:
         plugin_logger.addHandler(logging.NullHandler())
     load_plugins()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("attn-di")
+    except PackageNotFoundError:  # pragma: no cover - run from a source tree, not installed
+        return "(not installed)"
 
 
 if __name__ == "__main__":  # pragma: no cover

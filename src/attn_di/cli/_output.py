@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["print_error", "print_json", "print_table"]
+__all__ = ["exit_if_command", "print_error", "print_json", "print_table"]
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -58,3 +58,25 @@ def print_error(message: str, hint: str | None) -> None:
             print(f"  {line}", file=sys.stderr)
     if hint:
         print(f"hint: {hint}", file=sys.stderr)
+
+
+def exit_if_command(error: Exception, hint: str | None) -> None:
+    """In the ``attn-di`` command, report an error raised by ``import attn_di`` and exit 2.
+
+    The command's own code cannot catch it (the package is imported before the command
+    starts), so ``attn_di/__init__`` hands it here: one line and a hint instead of a traceback.
+    Elsewhere (a library import) this returns and the caller re-raises.
+    """
+    import os
+
+    argv = list(getattr(sys, "orig_argv", ()))
+    by_module = any(
+        arg == "-mattn_di" or (arg == "-m" and argv[i + 1 : i + 2] == ["attn_di"])
+        for i, arg in enumerate(argv)
+    )
+    by_script = bool(sys.argv) and os.path.basename(sys.argv[0]) in ("attn-di", "attn-di.exe")
+    if by_module or by_script:
+        from attn_di.exceptions import AttnDIError
+
+        print_error(error.message() if isinstance(error, AttnDIError) else str(error), hint)
+        sys.exit(2)

@@ -23,14 +23,18 @@ from attn_di._default import get_container
 from attn_di._device import parse_device
 from attn_di._enum import AttentionBackendEnum, parse_backend_name
 from attn_di._selection import AttentionSelectorConfig, canonical_dtype, select_backend
+from attn_di.cli._main import RUN_DEFAULTS
 from attn_di.cli._output import print_json, print_table
 from attn_di.exceptions import AttnDIError, BackendRejectedError, InvalidInputError
 
-__all__ = ["TOLERANCES", "run_batch"]
+__all__ = ["TOLERANCES", "MemoryEstimate", "estimate_memory", "run_batch"]
 
 # Max absolute error allowed against the float64 reference, per dtype. Inputs are N(0, 1)
 # and rounded to the dtype before both runs, so only the computation's rounding counts.
-TOLERANCES = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+# float64 is run only by backends that declare it (attn_di's reference backends do not:
+# selection refuses it with "dtype not supported", as everywhere else).
+TOLERANCES = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2, "float64": 1e-10}
+_ELEMENT_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 @dataclass
@@ -50,12 +54,8 @@ def run_batch(args: argparse.Namespace) -> int:
     """Build the batch, run the chosen backend(s), print the table; 1 if any check fails."""
     _check_sizes(args)
     dtype = canonical_dtype(args.dtype)
-    if dtype not in TOLERANCES:
-        raise InvalidInputError(
-            "--dtype",
-            f"{dtype} is not run here; choose one of {', '.join(TOLERANCES)}",
-            hint="the float64 reference is what every run is checked against",
-        )
+    estimate = estimate_memory(args, _ELEMENT_SIZES[dtype])
+    _check_memory(args, estimate)
     try:
         import torch
     except ImportError as exc:
@@ -66,7 +66,7 @@ def run_batch(args: argparse.Namespace) -> int:
         head_size=args.head_size, dtype=dtype, block_size=args.block_size
     )
     members, skipped = _backends(args.backend, config)
-    _check_memory(args, torch.empty((), dtype=getattr(torch, dtype)).element_size(), len(members))
+    machine = _machine(args, torch)
     problem = _build(args, getattr(torch, dtype))
     results = []
     with _Progress(len(members) * (args.iters + 1)) as advance:
@@ -74,9 +74,9 @@ def run_batch(args: argparse.Namespace) -> int:
             results.append(_run_one(member, problem, args, dtype, advance))
     failed = [r for r in results if not r["passed"]]
     if args.json:
-        print_json({"results": results, "skipped": skipped})
+        print_json({"results": results, "skipped": skipped, "machine": machine})
     else:
-        _print_results(args, dtype, results, skipped)
+        _print_results(args, dtype, results, skipped, machine)
     return 1 if failed else 0
 
 
@@ -84,51 +84,177 @@ def _check_sizes(args: argparse.Namespace) -> None:
     positive = ("batch", "heads", "kv_heads", "head_size", "block_size", "iters")
     for name in positive:
         if getattr(args, name) <= 0:
-            flag = f"--{name.replace('_', '-')}"
             raise InvalidInputError(
-                flag, f"must be positive, got {getattr(args, name)}", hint=f"e.g. {flag} 8"
+                _flag(name),
+                f"must be positive, got {getattr(args, name)}",
+                hint=f"e.g. {_example(name)}",
             )
     for name in ("context", "prefill"):
         if getattr(args, name) < 0:
             raise InvalidInputError(
-                f"--{name}", f"must be >= 0, got {getattr(args, name)}", hint=f"e.g. --{name} 0"
+                _flag(name),
+                f"must be >= 0, got {getattr(args, name)}",
+                hint=f"e.g. {_example(name)}",
             )
+    if args.threads is not None and args.threads <= 0:
+        raise InvalidInputError(
+            "--threads", f"must be positive, got {args.threads}", hint="e.g. --threads 1"
+        )
     if args.heads % args.kv_heads:
         raise InvalidInputError(
             "--kv-heads",
             f"{args.kv_heads} does not divide --heads {args.heads}",
-            hint="GQA needs heads to be a multiple of kv-heads, e.g. --heads 32 --kv-heads 8",
+            hint="GQA needs heads to be a multiple of kv-heads, e.g. "
+            f"{_example('heads')} {_example('kv_heads')}",
         )
 
 
-def _check_memory(args: argparse.Namespace, element: int, backends: int) -> None:
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def _example(name: str) -> str:
+    """``--name DEFAULT``: hints quote the real defaults."""
+    return f"{_flag(name)} {RUN_DEFAULTS[name]}"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes ``attn-di run`` allocates for a batch, by part, from the sizes alone.
+
+    Attributes:
+        parts: ``{part: (bytes, flags that scale it)}``: the KV cache, the attention scores,
+            the queries and outputs.
+    """
+
+    parts: dict[str, tuple[int, tuple[str, ...]]]
+
+    @property
+    def total(self) -> int:
+        """All parts together, in bytes."""
+        return sum(size for size, _ in self.parts.values())
+
+    def largest(self) -> str:
+        """The name of the largest part."""
+        return max(self.parts, key=lambda part: self.parts[part][0])
+
+
+def estimate_memory(args: argparse.Namespace, element: int) -> MemoryEstimate:
+    """Estimate the peak memory of a run in closed form: no allocation, instant for any size.
+
+    Counted (upper bounds): the KV cache (float32 random values, their ``element``-byte copy,
+    and the copy each backend run writes into), the padded K/V a backend gathers (twice the
+    cached tokens' K/V), the float64 reference's K/V of the longest sequence expanded to the
+    query heads, the scores ``[heads, query_len, seq_len]`` of the largest sequence (in float64
+    for the reference, three tensors: scores, masked, softmax) and of the whole batch for a
+    backend (float32), and the queries, keys, values and outputs. Decode (query_len 1) is
+    linear in ``--context``.
+
+    Args:
+        args: the run's sizes (batch, context, prefill, heads, kv_heads, head_size, block_size).
+        element: bytes per element of the run's dtype.
+
+    Returns:
+        The estimate, by part.
+    """
+    prefills = (args.batch + 1) // 2 if args.prefill else 0
+    decodes = args.batch - prefills
+    per_block = args.block_size
+    prefill_len = args.context + args.prefill
+    blocks = decodes * -(-(args.context + 1) // per_block) + prefills * -(-prefill_len // per_block)
+    slot_bytes = 2 * args.kv_heads * args.head_size  # K and V of one token, per byte of element
+    cache = (blocks + 1) * per_block * slot_bytes * (4 + 2 * element)
+    cached_tokens = decodes * (args.context + 1) + prefills * prefill_len
+    longest = max(args.context + 1, prefill_len if prefills else 0)
+    widest_query = args.prefill if prefills else 1
+    gathered = 2 * cached_tokens * slot_bytes * element
+    reference_kv = 8 * 2 * longest * (args.heads + args.kv_heads) * args.head_size
+    scores = 3 * 8 * args.heads * widest_query * longest
+    scores += (
+        2 * 4 * args.heads * (decodes * (args.context + 1) + prefills * args.prefill * longest)
+    )
+    tokens = decodes + prefills * args.prefill
+    activations = (
+        tokens
+        * args.head_size
+        * ((args.heads + 2 * args.kv_heads) * (4 + element) + args.heads * (8 + 2 * element))
+    )
+    return MemoryEstimate(
+        {
+            "the KV cache": (
+                cache + gathered + reference_kv,
+                ("--batch", "--context", "--block-size", "--kv-heads", "--head-size"),
+            ),
+            "the attention scores": (scores, ("--prefill", "--context", "--heads", "--batch")),
+            "the queries and outputs": (
+                activations,
+                ("--batch", "--prefill", "--heads", "--head-size"),
+            ),
+        }
+    )
+
+
+def _check_memory(args: argparse.Namespace, estimate: MemoryEstimate) -> None:
     """Refuse a batch whose tensors would not fit comfortably in this machine's memory."""
     import os
 
-    query_lens, seq_lens = _batch_lengths(args)
-    blocks = sum(-(-n // args.block_size) for n in seq_lens) + 1
-    cache = 2 * blocks * args.block_size * args.kv_heads * args.head_size
-    tokens = sum(query_lens)
-    # the shared cache + one copy per backend run, the float64 reference's per-sequence K/V and
-    # scores, and the queries/outputs
-    largest = max(seq_lens)
-    reference = 8 * (2 * largest * args.heads * args.head_size + args.heads * largest * largest)
-    needed = (
-        cache * element * (2 + backends) + reference + 16 * tokens * args.heads * args.head_size
-    )
     try:
         available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):  # pragma: no cover - not on Linux
         return
-    if needed > available // 2:
-        raise InvalidInputError(
-            "batch size",
-            f"this batch needs about {needed / 1e9:.1f} GB (KV cache of {blocks} blocks x "
-            f"{args.block_size} tokens, copies per backend, the float64 reference); this "
-            f"machine has {available / 1e9:.1f} GB",
-            hint="lower --batch, --context, --prefill, --heads/--kv-heads, --head-size or "
-            "--block-size",
+    if estimate.total <= available // 2:
+        return
+    part = estimate.largest()
+    size, flags = estimate.parts[part]
+    # name the flags of the largest part that were raised above their defaults (the cause)
+    raised = [flag for flag in flags if _raised(args, flag)] or list(flags[:2])
+    sizes = ", ".join(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}" for flag in raised)
+    raise InvalidInputError(
+        " and ".join(raised),
+        f"this batch needs about {_gigabytes(estimate.total)} GB, {_gigabytes(size)} GB of it "
+        f"for {part} ({sizes}); this machine has {_gigabytes(available)} GB",
+        hint=f"lower {' or '.join(raised)} (defaults: "
+        + ", ".join(_example(flag[2:].replace("-", "_")) for flag in raised)
+        + ")",
+    )
+
+
+def _raised(args: argparse.Namespace, flag: str) -> bool:
+    name = flag[2:].replace("-", "_")
+    return bool(getattr(args, name) > RUN_DEFAULTS[name])
+
+
+def _gigabytes(size: int) -> str:
+    gigabytes = size / 1e9
+    return f"{gigabytes:,.1f}" if gigabytes < 1000 else f"{gigabytes:,.0f}"
+
+
+def _machine(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
+    """Apply ``--threads``; report threads, CPUs and the load average; warn on a busy machine.
+
+    Under contention torch's default (one thread per core) makes timings swing by orders of
+    magnitude: the warning names ``--threads 1``.
+    """
+    import os
+    import sys
+
+    cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not available on this platform
+        load = None
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    busy = load is not None and load + threads > cpus * 1.25 and load > 0.5 * cpus
+    if busy:
+        print(
+            f"attn-di: warning: this machine is busy (load average {load:.2f} on {cpus} CPUs, "
+            f"{threads} torch thread(s)): timings will be noisy"
+            + ("; try --threads 1" if threads > 1 else ""),
+            file=sys.stderr,
         )
+    return {"threads": threads, "cpus": cpus, "load_average": load, "busy": busy}
 
 
 def _backends(
@@ -163,7 +289,7 @@ def _backends(
         raise InvalidInputError(
             "--backend all",
             "no backend accepts this configuration here",
-            hint="attn-di select shows every candidate's reasons",
+            hint="`attn-di select --head-size N --dtype D` shows every candidate's reasons",
         )
     return members, skipped
 
@@ -272,6 +398,7 @@ def _print_results(
     dtype: str,
     results: list[dict[str, Any]],
     skipped: dict[str, list[str]],
+    machine: dict[str, Any],
 ) -> None:
     if not args.prefill:
         kind = "decode"
@@ -295,6 +422,12 @@ def _print_results(
         for r in results
     ]
     print_table(title, ["backend", "max abs error", "check", "median ms", "tokens/s", "GB/s"], rows)
+    load = machine["load_average"]
+    print(
+        f"timed with {machine['threads']} torch thread(s) on {machine['cpus']} CPUs, "
+        f"load average {'?' if load is None else f'{load:.2f}'}"
+        + (" (busy: timings are noisy)" if machine["busy"] else "")
+    )
     by_reason: dict[str, list[str]] = {}
     for name, reasons in skipped.items():
         reason = "; ".join(reasons)
