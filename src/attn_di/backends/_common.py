@@ -33,6 +33,7 @@ __all__ = [
     "new_output",
     "uses_cache",
     "write_kv_cache",
+    "zero_uncovered",
 ]
 
 # Largest number of attention scores (group rows x keys x heads) materialised at once.
@@ -304,8 +305,12 @@ class SeqGroup:
         query_index: ``[b, Lq]`` int64 token rows of ``query`` (0 where padding).
         query_valid: ``[b, Lq]`` bool, real query tokens.
         query_pos: ``[b, Lq]`` int64 absolute positions of the queries.
-        kv_index: ``[b, Lk]`` int64 rows of the key/value source (cache slots, or tokens).
+        kv_index: ``[b, Lk]`` int64 rows of the key/value source (cache slots, or tokens);
+            row 0 where the sequence is shorter than Lk.
         allowed: ``[b, Lq, Lk]`` bool, which key each query may see.
+        uncovered: ``[b, Lk]`` bool, the key positions past each sequence's length, whose
+            gathered rows hold whatever the cache holds there (stale values, NaN, Inf);
+            None when every sequence covers all Lk keys.
     """
 
     query_index: torch.Tensor
@@ -313,10 +318,46 @@ class SeqGroup:
     query_pos: torch.Tensor
     kv_index: torch.Tensor
     allowed: torch.Tensor
+    uncovered: torch.Tensor | None = None
 
     def key_pos(self) -> torch.Tensor:
         """``[Lk]`` int64 absolute key positions."""
         return torch.arange(self.kv_index.shape[1], device=self.kv_index.device)
+
+    def uncovered_keys(self, start: int = 0, stop: int | None = None) -> torch.Tensor | None:
+        """``[b, stop - start]`` bool: :attr:`uncovered` for keys ``start:stop`` (or None)."""
+        return None if self.uncovered is None else self.uncovered[:, start:stop]
+
+    def gather_kv(
+        self,
+        source: torch.Tensor,
+        start: int = 0,
+        stop: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[b, w, H_kv, D]`` rows of ``source`` for keys ``start:stop``, zero where uncovered.
+
+        Masking a key out of the softmax is not enough: its weight is 0, but ``0 * NaN`` is
+        NaN in ``weights @ V``, and a NaN or infinite key makes its score NaN before any
+        mask applies. So the rows of uncovered keys are zeroed here, once per gather.
+
+        Args:
+            source: ``[S, H_kv, D]``, the flattened cache (or the new keys/values).
+            start, stop: the key range (all Lk keys by default).
+            out: a buffer of at least ``b * w * H_kv * D`` elements of ``source``'s dtype to
+                gather into (no autograd), or None for a new tensor (autograd flows).
+
+        Returns:
+            ``[b, w, H_kv, D]`` in ``source``'s dtype (a view of ``out`` when given).
+        """
+        index = self.kv_index[:, start:stop]
+        shape = (*index.shape, *source.shape[1:])
+        if out is None:
+            rows = source[index]
+        else:
+            rows = out.view(-1)[: math.prod(shape)].view(shape)
+            torch.index_select(source, 0, index.reshape(-1), out=rows.view(-1, *shape[2:]))
+        return zero_uncovered(rows, self.uncovered_keys(start, stop))
 
 
 class BatchPlan:
@@ -377,6 +418,7 @@ class BatchPlan:
         else:
             kv_index = self.q_start[start:stop, None] + k[None, :]
         kv_index = torch.where(kv_valid, kv_index, 0)
+        uncovered = None if bool(kv_valid.all()) else ~kv_valid
         allowed = kv_valid[:, None, :] & query_valid[:, :, None]
         delta = query_pos[:, :, None] - k[None, None, :]
         if self.causal:
@@ -384,7 +426,32 @@ class BatchPlan:
         window = self.impl.sliding_window
         if window is not None:
             allowed &= (delta < window) if self.causal else (delta.abs() < window)
-        return SeqGroup(query_index, query_valid, query_pos, kv_index, allowed)
+        return SeqGroup(query_index, query_valid, query_pos, kv_index, allowed, uncovered)
+
+
+def zero_uncovered(
+    rows: torch.Tensor, uncovered: torch.Tensor | None, dim: int = 0
+) -> torch.Tensor:
+    """Zero, in place, gathered key/value rows at positions a sequence does not cover.
+
+    The cache is allocated uninitialised and its blocks are reused, so a slot past a
+    sequence's length (the tail of its last block, a padding block-table entry) may hold
+    anything, NaN and Inf included. A zero key scores a finite 0 that the mask then removes,
+    and a zero value adds exactly nothing to ``weights @ V``. Costs one write per uncovered
+    row, nothing when ``uncovered`` is None.
+
+    Args:
+        rows: gathered rows whose dims ``dim`` and ``dim + 1`` are ``[b, w]`` (sequences,
+            key positions), any dtype; autograd records the write.
+        uncovered: ``[b, w]`` bool, True where the row is to be zeroed; None for none.
+        dim: where the ``[b, w]`` dims start in ``rows``.
+
+    Returns:
+        ``rows`` itself.
+    """
+    if uncovered is not None:
+        rows[(slice(None),) * dim + (uncovered,)] = 0
+    return rows
 
 
 def alibi_bias(slopes: list[float], group: SeqGroup) -> torch.Tensor:
