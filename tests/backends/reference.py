@@ -129,7 +129,8 @@ def make_batch(
     """A batch whose cached prefixes are in a shuffled paged cache that is dirty elsewhere.
 
     The cache comes from :func:`dirty_kv_cache` (``fill``); only the cached prefixes are
-    written, so the tail of each sequence's last block and the spare blocks hold the fill.
+    written, so the tail of each sequence's last block and the spare blocks (block 0 among
+    them) hold the fill.
     Each block-table row has at least one column more than its sequence needs, and the
     entries past a sequence's blocks name blocks of other sequences (stale entries of reused
     blocks). ``pad_tokens`` rows of NaN query/key/value with slot -1 follow the real tokens
@@ -141,15 +142,17 @@ def make_batch(
     if opts.encoder_only:
         seq_lens = list(query_lens)
     blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    order = torch.randperm(num_blocks, generator=gen)
+    num_blocks = sum(blocks_per_seq) + max(1, spare_blocks)
+    # Block 0 stays unused (dirty), as the null block of vLLM's allocator does: a backend
+    # that points the keys a sequence does not cover at slot 0 reads the fill.
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
     width = max([*blocks_per_seq, 0]) + 1
     table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     used = 0
     for i, count in enumerate(blocks_per_seq):
         table[i, :count] = order[used : used + count].int()
         used += count
-        stale = (used + torch.arange(width - count)) % num_blocks
+        stale = (used + torch.arange(width - count)) % (num_blocks - 1)
         table[i, count:] = order[stale].int()
     cached_keys = torch.randn(num_blocks * block_size, kv_heads, size, generator=gen).to(dtype)
     cached_values = torch.randn(cached_keys.shape, generator=gen).to(dtype)
