@@ -60,7 +60,10 @@ def check_inputs(
     ``kv_cache`` untouched.
 
     Raises:
-        InvalidInputError: naming the first offending input and its type, shape or dtype.
+        InvalidInputError: naming the first offending input and its type, shape, dtype or
+            device (every tensor, the metadata's included, must be on the query's device),
+            or a ``kv_cache`` autograd would refuse to write in place (a leaf that requires
+            grad, or a view of one, in grad mode).
     """
     heads, kv_heads, size = impl.num_heads, impl.num_kv_heads, impl.head_size
     tensors = (("query", query), ("key", key), ("value", value), ("kv_cache", kv_cache))
@@ -119,7 +122,46 @@ def check_inputs(
             f"[{num_tokens}, {heads * size}] {query.dtype}",
             hint="output must be [num_tokens, num_heads * head_size] in query's dtype, or None",
         )
+    if output is not None and output.device != query.device:
+        raise InvalidInputError(
+            "output",
+            f"is on {output.device} but query is on {query.device}",
+            hint="allocate output on the query's device, e.g. torch.empty_like(...) of query's",
+        )
+    if uses_cache(impl):
+        _check_cache_autograd(kv_cache)
+    _check_metadata_devices(metadata, query.device)
     _check_metadata(impl, kv_cache, metadata, num_tokens)
+
+
+def _check_cache_autograd(kv_cache: torch.Tensor) -> None:
+    """Refuse a cache that autograd forbids writing in place: a leaf (or a view of one) that
+    requires grad, while grad mode is on. A cache that is already part of a graph (written
+    by an earlier forward whose keys required grad) is not a leaf and is accepted."""
+    if not (kv_cache.requires_grad and torch.is_grad_enabled()):
+        return
+    base = kv_cache._base  # the tensor a view was taken from, or None
+    if kv_cache.is_leaf or (base is not None and base.is_leaf):
+        raise InvalidInputError(
+            "kv_cache",
+            "requires grad and is a leaf tensor (or a view of one), but forward writes the "
+            "new keys/values into it in place",
+            hint="allocate the cache without requires_grad (gradients still reach key and "
+            "value through the cache writes), or pass kv_cache.detach()",
+        )
+
+
+def _check_metadata_devices(metadata: AttentionMetadata, device: torch.device) -> None:
+    """Refuse metadata tensors on another device than the query (indices must sit with the data)."""
+    for name, _, _ in _METADATA_TENSORS:
+        tensor: torch.Tensor = getattr(metadata, name)
+        if tensor.device != device:
+            raise InvalidInputError(
+                name,
+                f"is on {tensor.device} but query is on {device}",
+                hint=f"build the metadata on the query's device: "
+                f"AttentionMetadataBuilder(block_size, device={str(device)!r})",
+            )
 
 
 _BUILD_HINT = "build the metadata with AttentionMetadataBuilder(block_size).build(...)"
