@@ -201,6 +201,8 @@ def reference_attention(opts: Options, batch: Batch) -> torch.Tensor:
     for keys, values, q_len in zip(
         batch.full_keys, batch.full_values, batch.query_lens, strict=True
     ):
+        if q_len == 0:
+            continue
         query = batch.query[start : start + q_len].double()
         start += q_len
         s_len = keys.shape[0]

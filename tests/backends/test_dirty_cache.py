@@ -44,6 +44,7 @@ SCENARIOS = {
     "prefills-of-different-lengths": Scenario([5, 12, 33], [5, 12, 33], BASE, "flash"),
     "mixed": Scenario(*MIXED, BASE, "flash"),
     "padding-slots": Scenario(*MIXED, BASE, "flash", pad_tokens=3),
+    "empty-sequence": Scenario([7, 0, 3], [7, 0, 12], BASE, "flash"),
     "decode-padding-slots": Scenario(*RAGGED_DECODE, BASE, "decode", pad_tokens=2),
     "sliding-window": Scenario(*MIXED, replace(BASE, sliding_window=6), "flash"),
     "decode-sliding-window": Scenario(*RAGGED_DECODE, replace(BASE, sliding_window=6), "flash"),

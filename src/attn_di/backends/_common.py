@@ -347,12 +347,14 @@ class SeqGroup:
         query_index: ``[b, Lq]`` int64 token rows of ``query`` (0 where padding).
         query_valid: ``[b, Lq]`` bool, real query tokens.
         query_pos: ``[b, Lq]`` int64 absolute positions of the queries.
-        kv_index: ``[b, Lk]`` int64 rows of the key/value source (cache slots, or tokens);
-            row 0 where the sequence is shorter than Lk.
+        kv_index: ``[b, Lk]`` int64 rows of the key/value source (cache slots, or tokens).
+            Past a sequence's length (masked out by ``allowed``) it repeats the sequence's
+            first row, so it never names a slot the sequence does not cover, whatever that
+            slot holds (stale values, NaN, Inf); an empty sequence names row 0.
         allowed: ``[b, Lq, Lk]`` bool, which key each query may see.
-        uncovered: ``[b, Lk]`` bool, the key positions past each sequence's length, whose
-            gathered rows hold whatever the cache holds there (stale values, NaN, Inf);
-            None when every sequence covers all Lk keys.
+        uncovered: ``[b, Lk]`` bool, the rows that name a slot the sequence does not cover
+            (those of empty sequences), which :meth:`gather_kv` zeroes; None when there
+            are none, as in every batch without an empty sequence.
     """
 
     query_index: torch.Tensor
@@ -381,7 +383,8 @@ class SeqGroup:
 
         Masking a key out of the softmax is not enough: its weight is 0, but ``0 * NaN`` is
         NaN in ``weights @ V``, and a NaN or infinite key makes its score NaN before any
-        mask applies. So the rows of uncovered keys are zeroed here, once per gather.
+        mask applies. So every gathered row is one the sequence covers (see
+        :attr:`kv_index`), or zero (:attr:`uncovered`).
 
         Args:
             source: ``[S, H_kv, D]``, the flattened cache (or the new keys/values).
@@ -459,8 +462,14 @@ class BatchPlan:
             kv_index = slots.reshape(stop - start, -1)[:, :max_k]
         else:
             kv_index = self.q_start[start:stop, None] + k[None, :]
-        kv_index = torch.where(kv_valid, kv_index, 0)
-        uncovered = None if bool(kv_valid.all()) else ~kv_valid
+        # A key past a sequence's length reads the sequence's own first key (position 0, always
+        # written) rather than a slot the sequence does not cover: such a slot may hold NaN or
+        # Inf, and a masked key still enters weights @ V (0 * NaN = NaN). Only an empty
+        # sequence has no key of its own: it reads slot 0, zeroed after the gather.
+        empty = seq_lens == 0
+        own_first = torch.where(empty[:, None], 0, kv_index[:, :1])
+        kv_index = torch.where(kv_valid, kv_index, own_first)
+        uncovered = empty[:, None].expand_as(kv_valid) if bool(empty.any()) else None
         allowed = kv_valid[:, None, :] & query_valid[:, :, None]
         delta = query_pos[:, :, None] - k[None, None, :]
         if self.causal:
@@ -479,20 +488,27 @@ def zero_uncovered(
     The cache is allocated uninitialised and its blocks are reused, so a slot past a
     sequence's length (the tail of its last block, a padding block-table entry) may hold
     anything, NaN and Inf included. A zero key scores a finite 0 that the mask then removes,
-    and a zero value adds exactly nothing to ``weights @ V``. Costs one write per uncovered
-    row, nothing when ``uncovered`` is None.
+    and a zero value adds exactly nothing to ``weights @ V``. Two small ops (``nonzero``,
+    ``index_fill_``) that touch only the uncovered rows; nothing when ``uncovered`` is None.
 
     Args:
         rows: gathered rows whose dims ``dim`` and ``dim + 1`` are ``[b, w]`` (sequences,
-            key positions), any dtype; autograd records the write.
+            key positions) and can be merged by ``view``; any dtype; autograd records the
+            write.
         uncovered: ``[b, w]`` bool, True where the row is to be zeroed; None for none.
         dim: where the ``[b, w]`` dims start in ``rows``.
 
     Returns:
         ``rows`` itself.
     """
-    if uncovered is not None:
-        rows[(slice(None),) * dim + (uncovered,)] = 0
+    if uncovered is None:
+        return rows
+    # index_fill_ on the [b * w] axis: far cheaper than a boolean-mask write or masked_fill_,
+    # which pass over every row.
+    index = uncovered.reshape(-1).nonzero().view(-1)
+    if index.numel():
+        merged = rows.view(*rows.shape[:dim], -1, *rows.shape[dim + 2 :])
+        merged.index_fill_(dim, index, 0)
     return rows
 
 

@@ -97,9 +97,13 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         core's L2/L3 cache (:data:`_DECODE_CHUNK_BYTES`), and handed at once to torch's CPU
         flash kernel with GQA folded (``[b, H_kv, g, D]`` queries), so the kernel reads the
         copy from cache rather than from memory. A chunk is ``s`` sequences by ``c`` block
-        columns of the block table; keys past a sequence's length are masked. The chunks'
-        results are merged once at the end through their log-sum-exps (softmax over the
-        chunk axis), and sinks scale the result by ``sigmoid(lse - sink)``.
+        columns of the block table. Keys past a sequence's length are masked; unused
+        block-table entries repeat the sequence's first block, and the gathered rows of
+        slots the sequence does not cover (its last block's tail) are zeroed
+        (:func:`_stale_rows`), so whatever the cache holds there (NaN, Inf) never reaches
+        the result. The chunks' results are merged once at the end through their
+        log-sum-exps (softmax over the chunk axis), and sinks scale the result by
+        ``sigmoid(lse - sink)``.
         """
         kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         seqs = int(metadata.seq_lens.shape[0])
@@ -111,7 +115,8 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         table = metadata.block_table[:, :table_cols].to(device=device, dtype=torch.long)
         needed = -(-seq_lens // block_size)
         col = torch.arange(table_cols, device=device)
-        table = torch.where(col[None, :] < needed[:, None], table, 0)  # unused entries: block 0
+        # Unused entries name the sequence's own first block (block 0 may hold anything).
+        table = torch.where(col[None, :] < needed[:, None], table, table[:, :1])
         block_numel = block_size * kv_heads * size
         group, cols = _decode_chunk(seqs, table_cols, block_size, 4 * block_numel)
         # Keys and values in one gather: rows [0, n) of the cache view are key blocks,
@@ -122,6 +127,11 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         queries = query[:seqs].reshape(seqs, kv_heads, per_kv, size)
         ragged = bool((seq_lens != needed * block_size).any()) or bool((needed != table_cols).any())
         key_pos = torch.arange(table_cols * block_size, device=device)
+        stale = _stale_rows(key_pos, seq_lens, needed, block_size) if ragged else None
+        # Which (sequence, block column) holds a stale row, to skip the chunks without one.
+        stale_blocks: list[list[bool]] = (
+            [] if stale is None else stale.view(seqs, table_cols, -1).any(-1).tolist()
+        )
         blocked = torch.finfo(dtype).min
         outs: list[torch.Tensor] = []
         lses: list[torch.Tensor] = []
@@ -141,7 +151,11 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 if ragged:
                     valid = key_pos[start * block_size : stop * block_size]
                     valid = valid[None, :] < seq_lens[first:last, None]
-                    zero_uncovered(gathered.view(2, last - first, width, -1), ~valid, 1)
+                    if stale is not None and any(
+                        any(row[start:stop]) for row in stale_blocks[first:last]
+                    ):
+                        chunk_stale = stale[first:last, start * block_size : stop * block_size]
+                        zero_uncovered(gathered.view(2, last - first, width, -1), chunk_stale, 1)
                     mask = torch.where(valid, 0.0, blocked).to(dtype)
                     mask = mask[:, None, None, :].expand(-1, 1, per_kv, -1)
                 out, lse = _FLASH_FOR_CPU(
@@ -343,6 +357,22 @@ def _is_pure_decode(
         return False
     starts = metadata.query_start_loc
     return int(starts[-1]) == seqs and bool((starts[1:] - starts[:-1] == 1).all())
+
+
+def _stale_rows(
+    key_pos: torch.Tensor, seq_lens: torch.Tensor, needed: torch.Tensor, block_size: int
+) -> torch.Tensor | None:
+    """``[B, L]`` bool: rows of the gathered blocks that a sequence does not cover, or None.
+
+    :meth:`CPUAttentionImpl._decode_flash` gathers whole blocks, so the tail of each
+    sequence's last block comes along; the unused block-table entries repeat the sequence's
+    first block, whose tail is uncovered too when the sequence is shorter than a block.
+    These rows may hold NaN or Inf and are zeroed after the gather.
+    """
+    pos = key_pos[None, :]
+    source_pos = torch.where(pos < needed[:, None] * block_size, pos, pos % block_size)
+    stale = source_pos >= seq_lens[:, None]
+    return stale if bool(stale.any()) else None
 
 
 # Bytes of keys per decode chunk, counted as float32 (so half that in bf16/fp16 caches),
