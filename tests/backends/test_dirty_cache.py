@@ -17,6 +17,7 @@ from pytest_mock import MockerFixture
 
 from attn_di.backend import AttentionBackend
 from attn_di.backends import cpu_attn
+from attn_di.backends._common import BatchPlan
 from attn_di.backends.cpu_attn import CPUAttentionBackend, CPUAttentionImpl
 from attn_di.exceptions import UnsupportedFeatureError
 from tests.backends.reference import DIRTY_FILLS, Options, make_batch, reference_attention
@@ -171,3 +172,24 @@ def test_encoder_only_ignores_nan_padding_tokens(
     torch.testing.assert_close(
         real.double(), reference_attention(opts, batch), atol=1e-4, rtol=1e-4
     )
+
+
+def test_padded_key_indices_name_only_covered_slots() -> None:
+    """BatchPlan's kv_index names, for every key position, a slot its sequence covers."""
+    opts = replace(BASE, sliding_window=6)
+    batch = make_batch(opts, [7, 1, 3, 1, 16], [7, 20, 12, 45, 16], 16, torch.float32)
+    impl = CPUAttentionImpl(**opts.impl_kwargs())
+    metadata = batch.metadata
+    covered = [
+        {
+            int(metadata.block_table[i, pos // 16]) * 16 + pos % 16
+            for pos in range(int(metadata.seq_lens[i]))
+        }
+        for i in range(len(batch.query_lens))
+    ]
+
+    (group,) = BatchPlan(impl, metadata, 16).groups()
+
+    for slots, seq_covered in zip(group.kv_index.tolist(), covered, strict=True):
+        assert set(slots) <= seq_covered
+    assert group.uncovered is None

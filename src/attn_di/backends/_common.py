@@ -4,6 +4,11 @@ Every backend here follows the same plan for a batch of B sequences: check the i
 write the new keys/values into the paged cache at ``slot_mapping``, then attend over
 groups of sequences padded to a common query length Lq and key length Lk. This module
 builds the padded index tensors and masks; the backends differ only in the attention math.
+
+The cache is taken to be dirty: a server allocates it uninitialised and reuses blocks, so a
+slot a sequence does not cover may hold NaN or Inf. A mask is not enough against that
+(``0 * NaN`` is NaN in ``weights @ V``), so the padded key indices never name such a slot
+(see :class:`SeqGroup`).
 """
 
 from __future__ import annotations
