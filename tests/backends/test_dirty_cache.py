@@ -175,9 +175,9 @@ def test_encoder_only_ignores_nan_padding_tokens(
 
 
 def test_padded_key_indices_name_only_covered_slots() -> None:
-    """BatchPlan's kv_index names, for every key position, a slot its sequence covers."""
+    """BatchPlan's kv_index names only slots a sequence covers (an empty one: written slots)."""
     opts = replace(BASE, sliding_window=6)
-    batch = make_batch(opts, [7, 1, 3, 1, 16], [7, 20, 12, 45, 16], 16, torch.float32)
+    batch = make_batch(opts, [7, 1, 0, 3, 1, 16], [7, 20, 0, 12, 45, 16], 16, torch.float32)
     impl = CPUAttentionImpl(**opts.impl_kwargs())
     metadata = batch.metadata
     covered = [
@@ -190,6 +190,6 @@ def test_padded_key_indices_name_only_covered_slots() -> None:
 
     (group,) = BatchPlan(impl, metadata, 16).groups()
 
+    written = set().union(*covered)
     for slots, seq_covered in zip(group.kv_index.tolist(), covered, strict=True):
-        assert set(slots) <= seq_covered
-    assert group.uncovered is None
+        assert set(slots) <= (seq_covered or written)

@@ -354,12 +354,9 @@ class SeqGroup:
         query_pos: ``[b, Lq]`` int64 absolute positions of the queries.
         kv_index: ``[b, Lk]`` int64 rows of the key/value source (cache slots, or tokens).
             Past a sequence's length (masked out by ``allowed``) it repeats the sequence's
-            first row, so it never names a slot the sequence does not cover, whatever that
-            slot holds (stale values, NaN, Inf); an empty sequence names row 0.
+            first row, so it only names rows that were written, never a slot the sequence
+            does not cover, which may hold anything (stale values, NaN, Inf).
         allowed: ``[b, Lq, Lk]`` bool, which key each query may see.
-        uncovered: ``[b, Lk]`` bool, the rows that name a slot the sequence does not cover
-            (those of empty sequences), which :meth:`gather_kv` zeroes; None when there
-            are none, as in every batch without an empty sequence.
     """
 
     query_index: torch.Tensor
@@ -367,47 +364,10 @@ class SeqGroup:
     query_pos: torch.Tensor
     kv_index: torch.Tensor
     allowed: torch.Tensor
-    uncovered: torch.Tensor | None = None
 
     def key_pos(self) -> torch.Tensor:
         """``[Lk]`` int64 absolute key positions."""
         return torch.arange(self.kv_index.shape[1], device=self.kv_index.device)
-
-    def uncovered_keys(self, start: int = 0, stop: int | None = None) -> torch.Tensor | None:
-        """``[b, stop - start]`` bool: :attr:`uncovered` for keys ``start:stop`` (or None)."""
-        return None if self.uncovered is None else self.uncovered[:, start:stop]
-
-    def gather_kv(
-        self,
-        source: torch.Tensor,
-        start: int = 0,
-        stop: int | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``[b, w, H_kv, D]`` rows of ``source`` for keys ``start:stop``, zero where uncovered.
-
-        Masking a key out of the softmax is not enough: its weight is 0, but ``0 * NaN`` is
-        NaN in ``weights @ V``, and a NaN or infinite key makes its score NaN before any
-        mask applies. So every gathered row is one the sequence covers (see
-        :attr:`kv_index`), or zero (:attr:`uncovered`).
-
-        Args:
-            source: ``[S, H_kv, D]``, the flattened cache (or the new keys/values).
-            start, stop: the key range (all Lk keys by default).
-            out: a buffer of at least ``b * w * H_kv * D`` elements of ``source``'s dtype to
-                gather into (no autograd), or None for a new tensor (autograd flows).
-
-        Returns:
-            ``[b, w, H_kv, D]`` in ``source``'s dtype (a view of ``out`` when given).
-        """
-        index = self.kv_index[:, start:stop]
-        shape = (*index.shape, *source.shape[1:])
-        if out is None:
-            rows = source[index]
-        else:
-            rows = out.view(-1)[: math.prod(shape)].view(shape)
-            torch.index_select(source, 0, index.reshape(-1), out=rows.view(-1, *shape[2:]))
-        return zero_uncovered(rows, self.uncovered_keys(start, stop))
 
 
 class BatchPlan:
@@ -467,14 +427,13 @@ class BatchPlan:
             kv_index = slots.reshape(stop - start, -1)[:, :max_k]
         else:
             kv_index = self.q_start[start:stop, None] + k[None, :]
-        # A key past a sequence's length reads the sequence's own first key (position 0, always
+        # A key past a sequence's length reads the sequence's own first key (position 0,
         # written) rather than a slot the sequence does not cover: such a slot may hold NaN or
-        # Inf, and a masked key still enters weights @ V (0 * NaN = NaN). Only an empty
-        # sequence has no key of its own: it reads slot 0, zeroed after the gather.
-        empty = seq_lens == 0
-        own_first = torch.where(empty[:, None], 0, kv_index[:, :1])
+        # Inf, and a masked key still enters weights @ V (0 * NaN = NaN). An empty sequence
+        # (no key, no query) reads the first key of the group's longest one (max_k > 0 here).
+        longest = int(seq_lens.argmax())
+        own_first = torch.where(seq_lens[:, None] > 0, kv_index[:, :1], kv_index[longest, 0])
         kv_index = torch.where(kv_valid, kv_index, own_first)
-        uncovered = empty[:, None].expand_as(kv_valid) if bool(empty.any()) else None
         allowed = kv_valid[:, None, :] & query_valid[:, :, None]
         delta = query_pos[:, :, None] - k[None, None, :]
         if self.causal:
@@ -482,7 +441,7 @@ class BatchPlan:
         window = self.impl.sliding_window
         if window is not None:
             allowed &= (delta < window) if self.causal else (delta.abs() < window)
-        return SeqGroup(query_index, query_valid, query_pos, kv_index, allowed, uncovered)
+        return SeqGroup(query_index, query_valid, query_pos, kv_index, allowed)
 
 
 def zero_uncovered(
@@ -490,11 +449,11 @@ def zero_uncovered(
 ) -> torch.Tensor:
     """Zero, in place, gathered key/value rows at positions a sequence does not cover.
 
-    The cache is allocated uninitialised and its blocks are reused, so a slot past a
-    sequence's length (the tail of its last block, a padding block-table entry) may hold
-    anything, NaN and Inf included. A zero key scores a finite 0 that the mask then removes,
-    and a zero value adds exactly nothing to ``weights @ V``. Two small ops (``nonzero``,
-    ``index_fill_``) that touch only the uncovered rows; nothing when ``uncovered`` is None.
+    For gathers of whole cache blocks, which bring the tail of a sequence's last block
+    along: those slots may hold anything, NaN and Inf included. A zero key scores a finite
+    0 that the mask then removes, and a zero value adds exactly nothing to ``weights @ V``.
+    Two small ops (``nonzero``, ``index_fill_``) that touch only the uncovered rows; nothing
+    when ``uncovered`` is None.
 
     Args:
         rows: gathered rows whose dims ``dim`` and ``dim + 1`` are ``[b, w]`` (sequences,

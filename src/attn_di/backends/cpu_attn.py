@@ -235,8 +235,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         for start in range(0, k_len, chunk):
             stop = min(k_len, start + chunk)
             width = stop - start
-            # [H_kv * b, width, D] float32, uncovered keys zeroed
-            k_mat, v_mat = gather(group.kv_index[:, start:stop], group.uncovered_keys(start, stop))
+            k_mat, v_mat = gather(group.kv_index[:, start:stop])  # [H_kv * b, width, D] fp32
             scores = torch.bmm(queries, k_mat.transpose(1, 2))  # [H_kv * b, g * Lq, width]
             scores5 = scores.view(kv_heads, seqs, per_kv, q_len, width)
             if self.logits_soft_cap is not None:
@@ -290,10 +289,11 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         for start in range(0, k_len, chunk):
             stop = min(k_len, start + chunk)
             width = stop - start
+            index = group.kv_index[:, start:stop].reshape(-1)
             keys = key_buf[: seqs * width * kv_heads * size].view(seqs * width, kv_heads, size)
             values = value_buf[: keys.numel()].view_as(keys)
-            group.gather_kv(key_src, start, stop, out=keys)
-            group.gather_kv(value_src, start, stop, out=values)
+            torch.index_select(key_src, 0, index, out=keys)
+            torch.index_select(value_src, 0, index, out=values)
             allowed = group.allowed[:, None, None, :, start:stop]
             mask = torch.where(allowed, 0.0, blocked).to(dtype)
             mask = mask.expand(seqs, 1, per_kv, q_len, width).reshape(seqs, 1, rows, width)
@@ -429,11 +429,8 @@ class _HeadMajorGather:
             self.staged = staged.view(seqs * chunk, self.kv_heads, self.size)
         self.head_offsets = torch.arange(self.kv_heads, device=key_src.device)[:, None]
 
-    def __call__(
-        self, kv_index: torch.Tensor, uncovered: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``kv_index`` (``[b, w]`` source rows), float32 head-major;
-        rows where ``uncovered`` (``[b, w]`` bool) are zero (see :func:`zero_uncovered`)."""
+    def __call__(self, kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``kv_index`` (``[b, w]`` source rows), float32 head-major."""
         width = int(kv_index.shape[1])
         count = self.kv_heads * self.seqs * width
         batch = self.kv_heads * self.seqs
@@ -456,8 +453,6 @@ class _HeadMajorGather:
                 dst.view(self.kv_heads, self.seqs, width, self.size).copy_(
                     staged.view(shape).permute(2, 0, 1, 3)
                 )
-        for rows in (keys, values):
-            zero_uncovered(rows.view(self.kv_heads, self.seqs, width, self.size), uncovered, 1)
         return keys.view(batch, width, self.size), values.view(batch, width, self.size)
 
 

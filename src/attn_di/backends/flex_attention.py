@@ -104,8 +104,8 @@ class FlexAttentionImpl(GroupedAttentionImpl):
         seqs, q_len = (int(n) for n in group.query_index.shape)
         k_len = int(group.kv_index.shape[1])
         queries = query[group.query_index].transpose(1, 2).contiguous()  # [b, H, Lq, D]
-        keys = group.gather_kv(key_src).transpose(1, 2).contiguous()  # [b, H_kv, Lk, D]
-        values = group.gather_kv(value_src).transpose(1, 2).contiguous()
+        keys = key_src[group.kv_index].transpose(1, 2).contiguous()  # [b, H_kv, Lk, D]
+        values = value_src[group.kv_index].transpose(1, 2).contiguous()
         allowed = group.allowed
 
         def mask_mod(

@@ -72,8 +72,8 @@ class TorchSDPAImpl(GroupedAttentionImpl):
         rows = per_kv * q_len
         queries = query[group.query_index].view(seqs, q_len, kv_heads, per_kv, size)
         queries = queries.permute(0, 2, 3, 1, 4).reshape(seqs, kv_heads, rows, size)
-        keys = group.gather_kv(key_src).transpose(1, 2)  # [b, H_kv, Lk, D]
-        values = group.gather_kv(value_src).transpose(1, 2)
+        keys = key_src[group.kv_index].transpose(1, 2)  # [b, H_kv, Lk, D]
+        values = value_src[group.kv_index].transpose(1, 2)
         k_len = int(keys.shape[2])
         # Padding query rows see no key; SDPA would return NaN there, so let them see all
         # keys (their output is discarded).
