@@ -38,7 +38,6 @@ __all__ = [
     "new_output",
     "uses_cache",
     "write_kv_cache",
-    "zero_uncovered",
 ]
 
 # Largest number of attention scores (group rows x keys x heads) materialised at once.
@@ -442,38 +441,6 @@ class BatchPlan:
         if window is not None:
             allowed &= (delta < window) if self.causal else (delta.abs() < window)
         return SeqGroup(query_index, query_valid, query_pos, kv_index, allowed)
-
-
-def zero_uncovered(
-    rows: torch.Tensor, uncovered: torch.Tensor | None, dim: int = 0
-) -> torch.Tensor:
-    """Zero, in place, gathered key/value rows at positions a sequence does not cover.
-
-    For gathers of whole cache blocks, which bring the tail of a sequence's last block
-    along: those slots may hold anything, NaN and Inf included. A zero key scores a finite
-    0 that the mask then removes, and a zero value adds exactly nothing to ``weights @ V``.
-    Two small ops (``nonzero``, ``index_fill_``) that touch only the uncovered rows; nothing
-    when ``uncovered`` is None.
-
-    Args:
-        rows: gathered rows whose dims ``dim`` and ``dim + 1`` are ``[b, w]`` (sequences,
-            key positions) and can be merged by ``view``; any dtype; autograd records the
-            write.
-        uncovered: ``[b, w]`` bool, True where the row is to be zeroed; None for none.
-        dim: where the ``[b, w]`` dims start in ``rows``.
-
-    Returns:
-        ``rows`` itself.
-    """
-    if uncovered is None:
-        return rows
-    # index_fill_ on the [b * w] axis: far cheaper than a boolean-mask write or masked_fill_,
-    # which pass over every row.
-    index = uncovered.reshape(-1).nonzero().view(-1)
-    if index.numel():
-        merged = rows.view(*rows.shape[:dim], -1, *rows.shape[dim + 2 :])
-        merged.index_fill_(dim, index, 0)
-    return rows
 
 
 def alibi_bias(slopes: list[float], group: SeqGroup) -> torch.Tensor:
