@@ -4,6 +4,9 @@ The reference is ``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017), 
 sequence and one head at a time, with the options of ``AttentionImpl`` applied exactly as
 documented there: soft cap ``c * tanh(s / c)``, ALiBi ``m_h * (k - q)``, sliding window
 ``q - w < k <= q`` (``|q - k| < w`` when bidirectional), sinks in the denominator only.
+
+Caches are dirty, as a server's are: :func:`dirty_kv_cache` allocates one full of NaN (or
++-Inf) in a backend's layout, and :func:`make_batch` writes only the slots its batch covers.
 """
 
 from __future__ import annotations
