@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from attn_di import AttentionBackendEnum, BackendContainer
+from tests.backends.reference import DIRTY_FILLS, dirty_kv_cache
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_llm"
 PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [300]]
@@ -29,6 +30,23 @@ def _tiny_llm(monkeypatch: pytest.MonkeyPatch, container: BackendContainer) -> I
     container.unwire()
 
 
+def _dirty_caches(engine: Any, fill: str = "nan") -> None:
+    """Replace the engine's caches by ones whose every slot holds ``fill`` until written."""
+    config = engine.config
+    engine.kv_caches = [
+        dirty_kv_cache(
+            engine.backend_cls,
+            config.num_blocks,
+            config.block_size,
+            config.num_kv_heads,
+            config.head_size,
+            config.torch_dtype,
+            fill,
+        )
+        for _ in engine.kv_caches
+    ]
+
+
 @pytest.fixture(name="reference_tokens", scope="module")
 def _reference_tokens() -> list[list[int]]:
     """Tokens of the float64 reference path (reference attention, float64 weights)."""
@@ -40,24 +58,29 @@ def _reference_tokens() -> list[list[int]]:
         engine = llm_engine.Engine(
             model.ModelConfig(dtype="float64"), backend_cls=reference.ReferenceBackend
         )
+        _dirty_caches(engine)
         tokens: list[list[int]] = engine.generate(PROMPTS, NEW_TOKENS).tokens
         return tokens
     finally:
         sys.path.remove(str(EXAMPLE))
 
 
+@pytest.mark.parametrize("fill", DIRTY_FILLS)
 @pytest.mark.parametrize("backend", ["CPU_ATTN", "TORCH_SDPA", "FLEX_ATTENTION"])
 def test_every_cpu_backend_generates_the_reference_tokens(
     backend: str,
+    fill: str,
     tiny_llm: ModuleType,
     container: BackendContainer,
     reference_tokens: list[list[int]],
 ) -> None:
-    """Greedy tokens in float32 through each backend equal the float64 reference path's."""
+    """Greedy tokens in float32 through each backend, on caches full of NaN or +-Inf outside the
+    written slots, equal the float64 reference path's."""
     model = importlib.import_module("model")
     config = model.ModelConfig()
     tiny_llm.configure(container, config, backend=backend)
     engine = tiny_llm.Engine(config)
+    _dirty_caches(engine, fill)
     assert engine.backend_cls.get_name() == backend
     result = engine.generate(PROMPTS, NEW_TOKENS)
     assert result.tokens == reference_tokens

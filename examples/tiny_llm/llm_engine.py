@@ -76,8 +76,9 @@ class Engine:
         shape = backend_cls.get_kv_cache_shape(
             config.num_blocks, config.block_size, config.num_kv_heads, config.head_size
         )
+        # Uninitialised, as a server allocates it: backends read only the slots a sequence covers.
         self.kv_caches = [
-            torch.zeros(shape, dtype=config.torch_dtype) for _ in range(config.num_layers)
+            torch.empty(shape, dtype=config.torch_dtype) for _ in range(config.num_layers)
         ]
         self.allocator = BlockAllocator(config.num_blocks, config.block_size)
         self.builder = backend_cls.get_builder_cls()(config.block_size)

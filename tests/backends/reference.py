@@ -4,6 +4,9 @@ The reference is ``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017), 
 sequence and one head at a time, with the options of ``AttentionImpl`` applied exactly as
 documented there: soft cap ``c * tanh(s / c)``, ALiBi ``m_h * (k - q)``, sliding window
 ``q - w < k <= q`` (``|q - k| < w`` when bidirectional), sinks in the denominator only.
+
+Caches are dirty, as a server's are: :func:`dirty_kv_cache` allocates one full of NaN (or
++-Inf) in a backend's layout, and :func:`make_batch` writes only the slots its batch covers.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attn_di.backend import AttentionMetadata, AttentionMetadataBuilder
+from attn_di.backend import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
 
 
 @dataclass
@@ -63,6 +66,56 @@ class Batch:
     query_lens: list[int] = field(default_factory=list)
 
 
+DIRTY_FILLS = ("nan", "inf")
+"""The fills of :func:`dirty_kv_cache` that poison a cache (``"zero"`` is the clean one)."""
+
+
+def dirty_kv_cache(
+    backend_cls: type[AttentionBackend],
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    fill: str = "nan",
+) -> torch.Tensor:
+    """A KV cache as a server hands it over: every slot holds garbage until written.
+
+    A real server allocates its cache uninitialised and reuses blocks, so a slot a
+    sequence does not cover may hold anything. Numerics tests allocate their caches here,
+    write the slots a batch covers, and so check that no backend reads any other slot.
+
+    Args:
+        backend_cls: the backend whose ``get_kv_cache_shape`` gives the layout.
+        num_blocks, block_size, num_kv_heads, head_size: passed to ``get_kv_cache_shape``.
+        dtype: the cache's dtype.
+        fill: ``"nan"`` (every element NaN); ``"inf"`` (+Inf and -Inf alternating along the
+            last axis, so a key scores NaN or +-Inf against any query, and a value turns any
+            weighted sum it enters into Inf or NaN); ``"zero"`` (a clean cache, to compare
+            against).
+
+    Returns:
+        The cache, of shape ``backend_cls.get_kv_cache_shape(...)`` and dtype ``dtype``.
+
+    Raises:
+        ValueError: an unknown ``fill``.
+    """
+    shape = backend_cls.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    if fill == "nan":
+        return torch.full(shape, math.nan, dtype=dtype)
+    if fill == "inf":
+        signs = torch.tensor([math.inf, -math.inf], dtype=dtype).repeat((shape[-1] + 1) // 2)
+        return signs[: shape[-1]].expand(shape).contiguous()
+    if fill == "zero":
+        return torch.zeros(shape, dtype=dtype)
+    raise ValueError(f"fill must be one of {(*DIRTY_FILLS, 'zero')}, got {fill!r}")
+
+
+def differs(after: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``after != before`` in which NaN equals NaN (caches are NaN-filled)."""
+    return (after != before) & ~(after.isnan() & before.isnan())
+
+
 def make_batch(
     opts: Options,
     query_lens: list[int],
@@ -71,22 +124,42 @@ def make_batch(
     dtype: torch.dtype,
     seed: int = 0,
     spare_blocks: int = 3,
+    *,
+    fill: str = "nan",
+    pad_tokens: int = 0,
+    backend_cls: type[AttentionBackend] = AttentionBackend,
 ) -> Batch:
-    """A batch whose cached prefixes are already in a shuffled paged cache."""
+    """A batch whose cached prefixes are in a shuffled paged cache that is dirty elsewhere.
+
+    The cache comes from :func:`dirty_kv_cache` (``fill``); only the cached prefixes are
+    written, so the tail of each sequence's last block and the spare blocks (block 0 among
+    them) hold the fill.
+    Each block-table row has at least one column more than its sequence needs, and the
+    entries past a sequence's blocks name blocks of other sequences (stale entries of reused
+    blocks). ``pad_tokens`` rows of NaN query/key/value with slot -1 follow the real tokens
+    (past ``num_actual_tokens``, as a server pads a batch). The random data depend on
+    ``seed`` only, not on ``fill``, so two fills give the same computation.
+    """
     gen = torch.Generator().manual_seed(seed)
     kv_heads, size = opts.num_kv_heads, opts.head_size
     if opts.encoder_only:
         seq_lens = list(query_lens)
     blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    order = torch.randperm(num_blocks, generator=gen)
-    width = max([*blocks_per_seq, 1])
+    num_blocks = sum(blocks_per_seq) + max(1, spare_blocks)
+    # Block 0 stays unused (dirty), as the null block of vLLM's allocator does: a backend
+    # that points the keys a sequence does not cover at slot 0 reads the fill.
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    width = max([*blocks_per_seq, 0]) + 1
     table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     used = 0
     for i, count in enumerate(blocks_per_seq):
         table[i, :count] = order[used : used + count].int()
         used += count
-    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, size, generator=gen).to(dtype)
+        stale = (used + torch.arange(width - count)) % (num_blocks - 1)
+        table[i, count:] = order[stale].int()
+    cached_keys = torch.randn(num_blocks * block_size, kv_heads, size, generator=gen).to(dtype)
+    cached_values = torch.randn(cached_keys.shape, generator=gen).to(dtype)
+    kv_cache = dirty_kv_cache(backend_cls, num_blocks, block_size, kv_heads, size, dtype, fill)
     builder = AttentionMetadataBuilder(block_size)
     metadata = builder.build(
         query_lens, seq_lens, None if opts.encoder_only else table, causal=not opts.encoder_only
@@ -97,6 +170,7 @@ def make_batch(
     value = torch.randn(num_tokens, kv_heads, size, generator=gen).to(dtype)
     batch = Batch(query, key, value, kv_cache, metadata, query_lens=list(query_lens))
     start = 0
+    flat = kv_cache.view(2, -1, kv_heads, size)
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         new_k, new_v = key[start : start + q_len], value[start : start + q_len]
         start += q_len
@@ -106,11 +180,19 @@ def make_batch(
             continue
         positions = torch.arange(s_len - q_len)
         slots = table[i, positions // block_size].long() * block_size + positions % block_size
-        flat = kv_cache.view(2, -1, kv_heads, size)
-        batch.full_keys.append(torch.cat([flat[0][slots], new_k]).double())
-        batch.full_values.append(torch.cat([flat[1][slots], new_v]).double())
+        flat[0][slots] = cached_keys[slots]
+        flat[1][slots] = cached_values[slots]
+        batch.full_keys.append(torch.cat([cached_keys[slots], new_k]).double())
+        batch.full_values.append(torch.cat([cached_values[slots], new_v]).double())
     if opts.encoder_only:
         batch.kv_cache = torch.empty(0, dtype=dtype)
+    if pad_tokens:
+        batch.query, batch.key, batch.value = (
+            torch.cat([t, torch.full((pad_tokens, *t.shape[1:]), math.nan, dtype=dtype)])
+            for t in (query, key, value)
+        )
+        padding = torch.full((pad_tokens,), -1, dtype=metadata.slot_mapping.dtype)
+        metadata.slot_mapping = torch.cat([metadata.slot_mapping, padding])
     return batch
 
 
@@ -122,6 +204,8 @@ def reference_attention(opts: Options, batch: Batch) -> torch.Tensor:
     for keys, values, q_len in zip(
         batch.full_keys, batch.full_values, batch.query_lens, strict=True
     ):
+        if q_len == 0:
+            continue
         query = batch.query[start : start + q_len].double()
         start += q_len
         s_len = keys.shape[0]

@@ -1,5 +1,8 @@
 """Every backend that declares a configuration matches the float64 reference on it.
 
+Caches come from ``dirty_kv_cache``: every slot a batch does not cover holds NaN or +-Inf,
+and the output must equal the one on a zero-filled cache bit for bit.
+
 Tolerances (absolute and relative, on outputs of order 1, inputs rounded to the dtype
 before the reference sees them): float32 1e-4; bfloat16 3e-2; float16 5e-3. The
 low-precision budgets cover rounding of the output and of the probabilities fed to the
@@ -17,7 +20,7 @@ from hypothesis import strategies as st
 
 from attn_di.backend import AttentionBackend
 from attn_di.exceptions import UnsupportedFeatureError
-from tests.backends.reference import Options, make_batch, reference_attention
+from tests.backends.reference import DIRTY_FILLS, Options, make_batch, reference_attention
 
 TOLERANCES: dict[torch.dtype, float] = {
     torch.float32: 1e-4,
@@ -35,6 +38,8 @@ class Case:
     seq_lens: list[int]
     block_size: int
     seed: int
+    fill: str
+    pad_tokens: int
 
 
 @st.composite
@@ -73,6 +78,8 @@ def cases(draw: st.DrawFn) -> Case:
         seq_lens,
         block_size=draw(st.sampled_from([1, 16, 32])),
         seed=draw(st.integers(0, 2**16)),
+        fill=draw(st.sampled_from(DIRTY_FILLS)),
+        pad_tokens=draw(st.integers(0, 3)),
     )
 
 
@@ -84,23 +91,39 @@ def cases(draw: st.DrawFn) -> Case:
 def test_backend_matches_reference(
     backend_cls: type[AttentionBackend], dtype: torch.dtype, case: Case
 ) -> None:
-    """Output matches softmax(QK^T*scale + mask)V in float64 within the dtype's tolerance."""
+    """Output matches softmax(QK^T*scale + mask)V in float64, whatever uncovered slots hold."""
     try:
         impl = backend_cls.get_impl_cls()(**case.opts.impl_kwargs())
     except UnsupportedFeatureError:
         assert case.opts.logits_soft_cap is not None
         return
-    batch = make_batch(
-        case.opts, case.query_lens, case.seq_lens, case.block_size, dtype, seed=case.seed
-    )
+    outputs = []
+    for fill in (case.fill, "zero"):
+        batch = make_batch(
+            case.opts,
+            case.query_lens,
+            case.seq_lens,
+            case.block_size,
+            dtype,
+            seed=case.seed,
+            fill=fill,
+            pad_tokens=case.pad_tokens,
+            backend_cls=backend_cls,
+        )
+        out = impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+        )
+        outputs.append(out)
+    dirty, clean = outputs
     expected = reference_attention(case.opts, batch)
 
-    out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
-
-    assert out.shape == (sum(case.query_lens), case.opts.num_heads * case.opts.head_size)
-    assert out.dtype == dtype
+    num_tokens = sum(case.query_lens)
+    assert dirty.shape == (num_tokens + case.pad_tokens, case.opts.num_heads * case.opts.head_size)
+    assert dirty.dtype == dtype
+    assert bool(dirty[:num_tokens].isfinite().all())
+    torch.testing.assert_close(dirty[:num_tokens], clean[:num_tokens], atol=0, rtol=0)
     tol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(dirty[:num_tokens].double(), expected, atol=tol, rtol=tol)
 
 
 def test_output_buffer_is_filled_and_returned(backend_cls: type[AttentionBackend]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from attn_di.backend import AttentionBackend, AttentionMetadataBuilder
 from attn_di.backends.cpu_attn import CPUAttentionImpl
 from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
-from tests.backends.reference import Batch, Options, make_batch
+from tests.backends.reference import Batch, Options, differs, make_batch
 
 
 @pytest.fixture(name="opts")
@@ -28,6 +29,11 @@ def _batch(opts: Options) -> Batch:
 def _forward(backend_cls: type[AttentionBackend], opts: Options, batch: Batch) -> torch.Tensor:
     impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
     return impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+
+def _to_meta(name: str, batch: Batch) -> None:
+    """Move one metadata tensor to the meta device (another device than the query's)."""
+    setattr(batch.metadata, name, getattr(batch.metadata, name).to("meta"))
 
 
 def test_mismatched_key_heads(
@@ -316,6 +322,11 @@ def _as_list(tensor: torch.Tensor) -> object:
         ),
         ("block_table", lambda b: setattr(b.metadata, "block_table", b.metadata.block_table[0])),
         ("block_table", lambda b: b.metadata.block_table.__setitem__((1, 0), -1)),
+        ("kv_cache", lambda b: b.kv_cache.requires_grad_()),
+        *(
+            (name, functools.partial(_to_meta, name))
+            for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+        ),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )
@@ -335,7 +346,7 @@ def test_refused_forward_leaves_the_cache_unchanged(
         _forward(backend_cls, opts, batch)
     assert info.value.argument == argument
     assert info.value.hint
-    assert torch.equal(cache, before)
+    assert not differs(cache, before).any()
 
 
 @pytest.mark.parametrize(
@@ -446,3 +457,89 @@ def test_kv_cache_shape_accepts_zero_blocks_and_index_likes(
 
     assert backend_cls.get_kv_cache_shape(0, 16, 2, 64) == (2, 0, 16, 2, 64)
     assert backend_cls.get_kv_cache_shape(np.int64(3), 16, 2, 64) == (2, 3, 16, 2, 64)
+
+
+@pytest.mark.parametrize("name", ["query_start_loc", "seq_lens", "block_table", "slot_mapping"])
+def test_metadata_on_another_device_is_named(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch, name: str
+) -> None:
+    """A metadata tensor on another device than the query is named, with both devices."""
+    _to_meta(name, batch)
+
+    with pytest.raises(InvalidInputError) as info:
+        _forward(backend_cls, opts, batch)
+    assert str(info.value) == (
+        f"{name}: is on meta but query is on cpu\n"
+        "Hint: build the metadata on the query's device: "
+        "AttentionMetadataBuilder(block_size, device='cpu')"
+    )
+
+
+@pytest.mark.parametrize("argument", ["key", "value", "kv_cache", "output"])
+def test_tensor_on_another_device_is_named(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch, argument: str
+) -> None:
+    """key, value, kv_cache or output on another device than the query is named."""
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    tensors = {"key": batch.key, "value": batch.value, "kv_cache": batch.kv_cache}
+    tensors["output"] = torch.empty(4, 4 * 64)
+    tensors[argument] = tensors[argument].to("meta")
+
+    with pytest.raises(InvalidInputError, match=rf"^{argument}: is on meta but query is on cpu"):
+        impl.forward(
+            None,
+            batch.query,
+            tensors["key"],
+            tensors["value"],
+            tensors["kv_cache"],
+            batch.metadata,
+            output=tensors["output"],
+        )
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["leaf", "view-of-leaf"])
+def test_cache_requiring_grad_is_refused_in_grad_mode(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch, view: bool
+) -> None:
+    """A leaf cache (or a view of one) that requires grad is refused, naming kv_cache."""
+    layers = batch.kv_cache[None].repeat(2, 1, 1, 1, 1, 1).requires_grad_()
+    batch.kv_cache = layers[1] if view else layers
+
+    with pytest.raises(InvalidInputError) as info:
+        _forward(backend_cls, opts, batch)
+    assert info.value.argument == "kv_cache"
+    assert "requires grad" in info.value.problem
+    assert info.value.hint is not None
+    assert "kv_cache.detach()" in info.value.hint
+
+
+def test_cache_requiring_grad_is_accepted_without_grad_mode(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """Under torch.no_grad() the same leaf cache is written in place and attended."""
+    batch.kv_cache.requires_grad_()
+    with torch.no_grad():
+        out = _forward(backend_cls, opts, batch)
+
+    assert bool(out.isfinite().all())
+    flat = batch.kv_cache.view(2, -1, 2, 64)
+    assert torch.equal(flat[0][batch.metadata.slot_mapping], batch.key)
+
+
+def test_cache_in_a_graph_is_accepted(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """A cache written from keys that require grad joins the graph and can be used again."""
+    if not backend_cls.supports_backward:
+        pytest.skip(f"{backend_cls.get_name()} declares no backward support")
+    key = batch.key.clone().requires_grad_()
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    impl.forward(None, batch.query, key, batch.value, batch.kv_cache, batch.metadata)
+    assert batch.kv_cache.requires_grad
+    assert not batch.kv_cache.is_leaf
+
+    out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    out.sum().backward()
+
+    assert key.grad is not None
+    assert bool(key.grad.isfinite().all())

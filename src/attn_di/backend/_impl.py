@@ -307,6 +307,7 @@ class AttentionImpl(abc.ABC):
             ``[N, H * D]`` in the query's dtype (``output`` itself when given).
 
         Raises:
-            InvalidInputError: a tensor of the wrong shape, dtype or device, or a slot or
-                block number outside the cache.
+            InvalidInputError: a tensor of the wrong shape, dtype or device (the metadata's
+                tensors included), a ``kv_cache`` that is a leaf requiring grad (forward
+                writes it in place), or a slot or block number outside the cache.
         """

@@ -4,6 +4,11 @@ Every backend here follows the same plan for a batch of B sequences: check the i
 write the new keys/values into the paged cache at ``slot_mapping``, then attend over
 groups of sequences padded to a common query length Lq and key length Lk. This module
 builds the padded index tensors and masks; the backends differ only in the attention math.
+
+The cache is taken to be dirty: a server allocates it uninitialised and reuses blocks, so a
+slot a sequence does not cover may hold NaN or Inf. A mask is not enough against that
+(``0 * NaN`` is NaN in ``weights @ V``), so the padded key indices never name such a slot
+(see :class:`SeqGroup`).
 """
 
 from __future__ import annotations
@@ -59,7 +64,10 @@ def check_inputs(
     ``kv_cache`` untouched.
 
     Raises:
-        InvalidInputError: naming the first offending input and its type, shape or dtype.
+        InvalidInputError: naming the first offending input and its type, shape, dtype or
+            device (every tensor, the metadata's included, must be on the query's device),
+            or a ``kv_cache`` autograd would refuse to write in place (a leaf that requires
+            grad, or a view of one, in grad mode).
     """
     heads, kv_heads, size = impl.num_heads, impl.num_kv_heads, impl.head_size
     tensors = (("query", query), ("key", key), ("value", value), ("kv_cache", kv_cache))
@@ -118,7 +126,46 @@ def check_inputs(
             f"[{num_tokens}, {heads * size}] {query.dtype}",
             hint="output must be [num_tokens, num_heads * head_size] in query's dtype, or None",
         )
+    if output is not None and output.device != query.device:
+        raise InvalidInputError(
+            "output",
+            f"is on {output.device} but query is on {query.device}",
+            hint="allocate output on the query's device, e.g. torch.empty_like(...) of query's",
+        )
+    if uses_cache(impl):
+        _check_cache_autograd(kv_cache)
+    _check_metadata_devices(metadata, query.device)
     _check_metadata(impl, kv_cache, metadata, num_tokens)
+
+
+def _check_cache_autograd(kv_cache: torch.Tensor) -> None:
+    """Refuse a cache that autograd forbids writing in place: a leaf (or a view of one) that
+    requires grad, while grad mode is on. A cache that is already part of a graph (written
+    by an earlier forward whose keys required grad) is not a leaf and is accepted."""
+    if not (kv_cache.requires_grad and torch.is_grad_enabled()):
+        return
+    base = kv_cache._base  # the tensor a view was taken from, or None
+    if kv_cache.is_leaf or (base is not None and base.is_leaf):
+        raise InvalidInputError(
+            "kv_cache",
+            "requires grad and is a leaf tensor (or a view of one), but forward writes the "
+            "new keys/values into it in place",
+            hint="allocate the cache without requires_grad (gradients still reach key and "
+            "value through the cache writes), or pass kv_cache.detach()",
+        )
+
+
+def _check_metadata_devices(metadata: AttentionMetadata, device: torch.device) -> None:
+    """Refuse metadata tensors on another device than the query (indices must sit with the data)."""
+    for name, _, _ in _METADATA_TENSORS:
+        tensor: torch.Tensor = getattr(metadata, name)
+        if tensor.device != device:
+            raise InvalidInputError(
+                name,
+                f"is on {tensor.device} but query is on {device}",
+                hint=f"build the metadata on the query's device: "
+                f"AttentionMetadataBuilder(block_size, device={str(device)!r})",
+            )
 
 
 _BUILD_HINT = "build the metadata with AttentionMetadataBuilder(block_size).build(...)"
@@ -305,6 +352,9 @@ class SeqGroup:
         query_valid: ``[b, Lq]`` bool, real query tokens.
         query_pos: ``[b, Lq]`` int64 absolute positions of the queries.
         kv_index: ``[b, Lk]`` int64 rows of the key/value source (cache slots, or tokens).
+            Past a sequence's length (masked out by ``allowed``) it repeats the sequence's
+            first row, so it only names rows that were written, never a slot the sequence
+            does not cover, which may hold anything (stale values, NaN, Inf).
         allowed: ``[b, Lq, Lk]`` bool, which key each query may see.
     """
 
@@ -376,7 +426,13 @@ class BatchPlan:
             kv_index = slots.reshape(stop - start, -1)[:, :max_k]
         else:
             kv_index = self.q_start[start:stop, None] + k[None, :]
-        kv_index = torch.where(kv_valid, kv_index, 0)
+        # A key past a sequence's length reads the sequence's own first key (position 0,
+        # written) rather than a slot the sequence does not cover: such a slot may hold NaN or
+        # Inf, and a masked key still enters weights @ V (0 * NaN = NaN). An empty sequence
+        # (no key, no query) reads the first key of the group's longest one (max_k > 0 here).
+        longest = int(seq_lens.argmax())
+        own_first = torch.where(seq_lens[:, None] > 0, kv_index[:, :1], kv_index[longest, 0])
+        kv_index = torch.where(kv_valid, kv_index, own_first)
         allowed = kv_valid[:, None, :] & query_valid[:, :, None]
         delta = query_pos[:, :, None] - k[None, None, :]
         if self.causal:

@@ -96,7 +96,10 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         core's L2/L3 cache (:data:`_DECODE_CHUNK_BYTES`), and handed at once to torch's CPU
         flash kernel with GQA folded (``[b, H_kv, g, D]`` queries), so the kernel reads the
         copy from cache rather than from memory. A chunk is ``s`` sequences by ``c`` block
-        columns of the block table; keys past a sequence's length are masked. The chunks'
+        columns of the block table. Keys past a sequence's length are masked; unused
+        block-table entries name a block that was written, and the gathered rows of the
+        slots past a sequence's end in its last block are zeroed (:func:`_tail_rows`), so
+        whatever the cache holds there (NaN, Inf) never reaches the result. The chunks'
         results are merged once at the end through their log-sum-exps (softmax over the
         chunk axis), and sinks scale the result by ``sigmoid(lse - sink)``.
         """
@@ -110,7 +113,10 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         table = metadata.block_table[:, :table_cols].to(device=device, dtype=torch.long)
         needed = -(-seq_lens // block_size)
         col = torch.arange(table_cols, device=device)
-        table = torch.where(col[None, :] < needed[:, None], table, 0)  # unused entries: block 0
+        # Unused entries name the longest sequence's first block, which it fills whenever it
+        # spans more than one block (block 0 may hold anything, NaN and Inf included).
+        longest = int(seq_lens.argmax())
+        table = torch.where(col[None, :] < needed[:, None], table, table[longest, 0])
         block_numel = block_size * kv_heads * size
         group, cols = _decode_chunk(seqs, table_cols, block_size, 4 * block_numel)
         # Keys and values in one gather: rows [0, n) of the cache view are key blocks,
@@ -121,6 +127,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         queries = query[:seqs].reshape(seqs, kv_heads, per_kv, size)
         ragged = bool((seq_lens != needed * block_size).any()) or bool((needed != table_cols).any())
         key_pos = torch.arange(table_cols * block_size, device=device)
+        tails = _tail_rows(seq_lens.tolist(), block_size, group, cols, table_cols) if ragged else {}
         blocked = torch.finfo(dtype).min
         outs: list[torch.Tensor] = []
         lses: list[torch.Tensor] = []
@@ -140,6 +147,10 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 if ragged:
                     valid = key_pos[start * block_size : stop * block_size]
                     valid = valid[None, :] < seq_lens[first:last, None]
+                    tail = tails.get((first // group, start // cols))
+                    if tail:  # zero what the cache holds past each sequence's end
+                        index = torch.tensor(tail, device=device)
+                        gathered.view(2, (last - first) * width, -1).index_fill_(1, index, 0)
                     mask = torch.where(valid, 0.0, blocked).to(dtype)
                     mask = mask[:, None, None, :].expand(-1, 1, per_kv, -1)
                 out, lse = _FLASH_FOR_CPU(
@@ -364,6 +375,35 @@ def _decode_chunk(seqs: int, table_cols: int, block_size: int, block_bytes: int)
     cols = min(table_cols, max(1, -(-_DECODE_MIN_KEYS // block_size), blocks // seqs))
     group = max(1, min(seqs, blocks // cols))
     return group, cols
+
+
+def _tail_rows(
+    seq_lens: list[int], block_size: int, group: int, cols: int, table_cols: int
+) -> dict[tuple[int, int], list[int]]:
+    """Rows past each sequence's end in its last block, by decode chunk.
+
+    :meth:`CPUAttentionImpl._decode_flash` gathers whole blocks, so the slots of a
+    sequence's last block past its length come along; they may hold anything (NaN, Inf)
+    and are zeroed after the gather. Chunk ``(i, j)`` holds sequences ``[i * group, ...)``
+    and block columns ``[j * cols, ...)`` (see :func:`_decode_chunk`); its rows are numbered
+    sequence-major within the chunk, ``width = columns * block_size`` rows per sequence.
+
+    Returns:
+        ``{(i, j): row indices}`` for the chunks that hold such rows.
+    """
+    tails: dict[tuple[int, int], list[int]] = {}
+    for seq, seq_len in enumerate(seq_lens):
+        offset = seq_len % block_size
+        if not offset:
+            continue
+        col = seq_len // block_size  # the last block's column
+        start = col - col % cols
+        width = (min(table_cols, start + cols) - start) * block_size
+        base = (seq % group) * width + (col - start) * block_size
+        tails.setdefault((seq // group, col // cols), []).extend(
+            range(base + offset, base + block_size)
+        )
+    return tails
 
 
 class _HeadMajorGather:
