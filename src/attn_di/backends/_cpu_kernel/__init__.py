@@ -29,6 +29,8 @@ import platform
 import shutil
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ __all__ = [
     "cache_root",
     "kernel_status",
     "paged_attention_op",
+    "pure_torch",
 ]
 
 logger = logging.getLogger("attn_di.backends")
@@ -93,6 +96,7 @@ class KernelStatus:
 _LOCK = threading.Lock()
 _STATUS: KernelStatus | None = None
 _OP: Any = None
+_PURE_TORCH = 0  # > 0 inside pure_torch() blocks
 
 
 def kernel_status() -> KernelStatus:
@@ -138,7 +142,24 @@ def kernel_status() -> KernelStatus:
 
 def paged_attention_op() -> Any:
     """``torch.ops.attn_di.paged_attention``, or None when CPU_ATTN uses pure torch."""
+    if _PURE_TORCH:
+        return None
     return _OP if kernel_status().active else None
+
+
+@contextmanager
+def pure_torch() -> Iterator[None]:
+    """A block in which CPU_ATTN takes its pure-torch paths (for tests and benchmarks).
+
+    Process-wide, not per thread: nest it, but do not run CPU_ATTN from other threads
+    meanwhile and expect the kernel.
+    """
+    global _PURE_TORCH
+    _PURE_TORCH += 1
+    try:
+        yield
+    finally:
+        _PURE_TORCH -= 1
 
 
 def cache_root() -> Path:
