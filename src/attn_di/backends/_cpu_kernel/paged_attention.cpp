@@ -722,7 +722,7 @@ TORCH_LIBRARY(attn_di, m) {
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor(a!) out, float scale, int sliding_window, float soft_cap, "
-      "Tensor? alibi_slopes, Tensor? sinks) -> ()");
+      "Tensor? alibi_slopes=None, Tensor? sinks=None) -> ()");
   m.def("isa() -> str", &attn_di_kernel::isa);
 }
 
