@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -34,7 +33,6 @@ TOLERANCES: dict[torch.dtype, float] = {
     torch.bfloat16: 3e-2,
     torch.float16: 5e-3,
 }
-
 
 
 @pytest.fixture(name="kernel")
@@ -102,7 +100,7 @@ def kernel_cases(draw: st.DrawFn) -> KernelCase:
 
 
 @pytest.fixture(name="kernel_calls")
-def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the calls of CPU_ATTN's kernel path."""
     calls: list[int] = []
     original = cpu_attn.CPUAttentionImpl._decode_kernel
@@ -112,7 +110,7 @@ def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         original(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(cpu_attn.CPUAttentionImpl, "_decode_kernel", counted)
-    yield calls
+    return calls
 
 
 def run_both_paths(
@@ -291,7 +289,7 @@ def _fresh_kernel_state(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_build_failure_falls_back_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, kernel_calls: list[int]
 ) -> None:
-    """A kernel that cannot be built: one KernelUnavailableWarning, then exact pure-torch results."""
+    """A kernel that cannot be built: one KernelUnavailableWarning, then exact torch results."""
 
     def fail() -> None:
         raise RuntimeError("Error building extension 'attn_di_cpu' (simulated)")
@@ -301,13 +299,13 @@ def test_build_failure_falls_back_with_one_warning(
     batch = make_batch(opts, [1, 1, 1], [40, 1, 100], 16, torch.float32)
     impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
 
+    def forward() -> torch.Tensor:
+        return impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+        )
+
     with pytest.warns(KernelUnavailableWarning) as record:
-        first = impl.forward(
-            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
-        )
-        second = impl.forward(
-            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
-        )
+        first, second = forward(), forward()
 
     assert len(record) == 1
     warning = record[0].message
@@ -350,7 +348,9 @@ def test_switch_chooses_pure_torch_without_warning(
     out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
 
     assert kernel_calls == []
-    assert _cpu_kernel.kernel_status().describe() == "pure torch: switched off (ATTN_DI_CPU_KERNEL=0)"
+    assert (
+        _cpu_kernel.kernel_status().describe() == "pure torch: switched off (ATTN_DI_CPU_KERNEL=0)"
+    )
     assert_matches(out, reference_attention(opts, batch), torch.float32)
 
 
@@ -363,7 +363,9 @@ def test_switch_refuses_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
         _cpu_kernel.kernel_status()
 
     assert caught.value.argument == "ATTN_DI_CPU_KERNEL"
-    assert caught.value.hint == "set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch)"
+    assert (
+        caught.value.hint == "set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch)"
+    )
 
 
 def test_prefills_keep_the_torch_path(kernel_calls: list[int]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from typing import Any
 
 from attn_di._default import get_container
@@ -11,7 +12,7 @@ from attn_di._plugins import PluginRecord, plugin_report
 from attn_di.cli._output import print_json, print_table
 from attn_di.exceptions import AttnDIError
 
-__all__ = ["describe_members", "describe_plugins", "run_list"]
+__all__ = ["describe_cpu_attn_decode", "describe_members", "describe_plugins", "run_list"]
 
 
 def describe_members() -> list[dict[str, Any]]:
@@ -64,8 +65,16 @@ def run_list(args: argparse.Namespace) -> int:
     records = describe_members()
     plugins = describe_plugins()
     missing = list(plugin_report().missing)
+    cpu_attn_decode = describe_cpu_attn_decode()
     if args.json:
-        print_json({"members": records, "plugins": plugins, "missing_plugins": missing})
+        print_json(
+            {
+                "members": records,
+                "plugins": plugins,
+                "missing_plugins": missing,
+                "cpu_attn_decode": cpu_attn_decode,
+            }
+        )
         return 0
     rows = [
         (
@@ -82,6 +91,8 @@ def run_list(args: argparse.Namespace) -> int:
         ["member", "path", "source", "imports", "why not"],
         rows,
     )
+    if cpu_attn_decode:
+        print(f"CPU_ATTN decode: {cpu_attn_decode}")
     shown = [plugin for plugin in plugins if plugin["status"] != "skipped"]
     if len(shown) < len(plugins):
         print(f"{len(plugins) - len(shown)} installed plugin(s) not loaded: not in ATTN_DI_PLUGINS")
@@ -103,6 +114,22 @@ def run_list(args: argparse.Namespace) -> int:
     for name in missing:
         print(f"ATTN_DI_PLUGINS names {name!r}, but no installed plugin has that name")
     return 0
+
+
+def describe_cpu_attn_decode() -> str | None:
+    """Which path attn_di's CPU_ATTN decodes with here (its compiled kernel or pure torch).
+
+    None when torch is not installed. Loads (or builds) the kernel; a failure is described
+    here rather than warned about.
+    """
+    try:
+        from attn_di.backends import _cpu_kernel
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _cpu_kernel.kernel_status().describe()
+    except ImportError:
+        return None
 
 
 def _plugin_of(record: PluginRecord | None) -> str | None:

@@ -27,6 +27,7 @@ import logging
 import os
 import platform
 import shutil
+import sysconfig
 import threading
 import warnings
 from collections.abc import Iterator
@@ -130,7 +131,7 @@ def kernel_status() -> KernelStatus:
 
             _OP = torch.ops.attn_di.paged_attention
             _STATUS = KernelStatus(True, isa, f"loaded from {library}", str(library))
-        except Exception as exc:  # noqa: BLE001 - any failure means: fall back, say why
+        except Exception as exc:  # any failure means: fall back, and say why
             reason = _one_line(exc)
             _STATUS = KernelStatus(False, None, reason)
             warnings.warn(
@@ -201,17 +202,34 @@ def build(isa: str | None = None, verbose: bool = False) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     logger.info("building CPU_ATTN's kernel (%s) in %s", isa, directory)
-    cpp_extension.load(
-        name=name,
-        sources=[str(_SOURCE)],
-        extra_cflags=list(_flags(isa)),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    path = os.environ.get("PATH", "")
+    try:
+        # cpp_extension runs `ninja` from PATH; the PyPI wheel's lies beside this interpreter,
+        # which may not be on PATH (.venv/bin/python run without activating the venv).
+        os.environ["PATH"] = os.pathsep.join((_ninja_dir(), path))
+        cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=list(_flags(isa)),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    finally:
+        os.environ["PATH"] = path
     stamp.write_text(f"{isa}\n")
     return library
+
+
+def _ninja_dir() -> str:
+    """The directory of the ``ninja`` PyPI package's binary, or of this interpreter."""
+    try:
+        import ninja
+
+        return str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        return sysconfig.get_path("scripts")
 
 
 def _load() -> tuple[Path, str]:
@@ -221,7 +239,7 @@ def _load() -> tuple[Path, str]:
     isa = _native_isa()
     library = build(isa)
     if not hasattr(torch.ops.attn_di, "paged_attention"):
-        torch.ops.load_library(str(library))
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
     return library, isa
 
 
