@@ -6,9 +6,9 @@ Shapes (32 query / 8 KV heads, head size 128, block size 16, shuffled block tabl
 * ``long``: batch 1, context 32768;
 * ``wide``: batch 32, context 512;
 * ``mixed``: batch 8, context 2048, half the sequences chunked prefills of 128 new tokens
-  (no contiguous peer: SDPA has no paged mixed batch to compare with; the kernel takes only
-  the decode sequences? no: a batch with a query over 16 tokens goes through the pure-torch
-  path whole, so here "kernel" and "pure torch" are the same code, measured as a check);
+  (no contiguous peer; a batch with a query over ``KERNEL_MAX_QUERY`` tokens takes the
+  pure-torch path whole, so both rows run the same code: a check that mixed batches are no
+  slower than before);
 * ``spec``: batch 8, context 2048, 4 query tokens per sequence (chunked decode /
   speculative decoding), against the pure-torch path.
 
