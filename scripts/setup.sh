@@ -21,6 +21,16 @@ pip install -q -e '.[torch,test,ray,cli]'
 if .venv/bin/python -m pip show -q attn-di-test-plugin >/dev/null 2>&1; then
     pip uninstall -q -y attn-di-test-plugin
 fi
+# CPU_ATTN's compiled decode kernel: C++ against torch's headers, built once per CPU
+# instruction set into ~/.cache/attn_di/kernels (a no-op when built). Without a compiler
+# CPU_ATTN still works, on its pure-torch path; with one, a failed build is an error.
+CXX_BIN="${CXX:-c++}"
+if command -v "$CXX_BIN" >/dev/null 2>&1; then
+    .venv/bin/python -m attn_di.backends._cpu_kernel build
+else
+    echo "setup: no C++ compiler ($CXX_BIN not found): CPU_ATTN will use its pure-torch path." >&2
+    echo "setup: install one (apt-get install g++) and rerun this script for its compiled kernel." >&2
+fi
 .venv/bin/python -c "import attn_di, torch, pytest, hypothesis, ray, dependency_injector; \
 print(f'attn_di ready: torch {torch.__version__}, dependency-injector {dependency_injector.__version__}')"
 echo "attn-di is at .venv/bin/attn-di (or: source .venv/bin/activate, then attn-di)"

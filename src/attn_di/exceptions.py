@@ -19,7 +19,8 @@ already catch, so ``except ValueError`` keeps working where vLLM raised one::
 
     AttnDIWarning (UserWarning)
     ├── AttnDIDeprecationWarning (DeprecationWarning)
-    └── UnexportableBackendWarning                      left out of automatic propagation
+    ├── UnexportableBackendWarning                      left out of automatic propagation
+    └── KernelUnavailableWarning (RuntimeWarning)       a compiled kernel falls back to torch
 
 The data lives on the exception as attributes; the message is rendered by
 ``__str__`` and ends with a ``Hint:`` line when there is something to suggest.
@@ -40,6 +41,7 @@ __all__ = [
     "InvalidBackendTypeError",
     "InvalidClassPathError",
     "InvalidInputError",
+    "KernelUnavailableWarning",
     "NoValidBackendError",
     "RegistrationsEnvError",
     "UnexportableBackendError",
@@ -452,3 +454,25 @@ class UnexportableBackendWarning(AttnDIWarning):
     """A registration left out of the automatic propagation to worker processes: its class
     has no importable path (e.g. defined in a function). ``propagate_registrations()`` raises
     :class:`UnexportableBackendError` for it instead."""
+
+
+class KernelUnavailableWarning(AttnDIWarning, RuntimeWarning):
+    """A compiled kernel could not be built or loaded; the backend uses its pure-torch path.
+
+    Attributes:
+        reason: why, in one line (the build's or the loader's error).
+        hint: what to do about it.
+        backend: the backend that falls back.
+    """
+
+    def __init__(self, reason: str, hint: str, backend: str = "CPU_ATTN") -> None:
+        super().__init__(reason, hint, backend)
+        self.reason = reason
+        self.hint = hint
+        self.backend = backend
+
+    def __str__(self) -> str:
+        return (
+            f"{self.backend}'s compiled kernel is unavailable ({self.reason}); "
+            f"using its pure-torch path\nHint: {self.hint}"
+        )

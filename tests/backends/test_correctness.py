@@ -180,8 +180,8 @@ def test_cpu_attn_key_chunks_match(monkeypatch: pytest.MonkeyPatch, soft_cap: fl
 def test_cpu_attn_decode_path_matches(
     monkeypatch: pytest.MonkeyPatch, chunk_bytes: int, dtype: torch.dtype, sinks: bool
 ) -> None:
-    """CPU_ATTN's pure-decode path (block gathers, chunks merged by LSE) is exact."""
-    from attn_di.backends import cpu_attn
+    """CPU_ATTN's pure-torch decode path (block gathers, chunks merged by LSE) is exact."""
+    from attn_di.backends import _cpu_kernel, cpu_attn
 
     calls: list[int] = []
     decode = cpu_attn.CPUAttentionImpl._decode_flash
@@ -199,7 +199,10 @@ def test_cpu_attn_decode_path_matches(
     batch = make_batch(opts, [1, 1, 1, 1], [40, 1, 100, 64], 16, dtype)
     impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
 
-    out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    with _cpu_kernel.pure_torch():
+        out = impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+        )
 
     assert calls == [1]
     tol = TOLERANCES[dtype]

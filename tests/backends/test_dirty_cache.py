@@ -16,7 +16,7 @@ import torch
 from pytest_mock import MockerFixture
 
 from attn_di.backend import AttentionBackend
-from attn_di.backends import cpu_attn
+from attn_di.backends import _cpu_kernel, cpu_attn
 from attn_di.backends._common import BatchPlan
 from attn_di.backends.cpu_attn import CPUAttentionBackend, CPUAttentionImpl
 from attn_di.exceptions import UnsupportedFeatureError
@@ -61,8 +61,9 @@ SCENARIOS = {
 
 
 def _spy_paths(mocker: MockerFixture) -> dict[str, object]:
-    """Spies on CPU_ATTN's three paths."""
+    """Spies on CPU_ATTN's four paths."""
     return {
+        "kernel": mocker.spy(CPUAttentionImpl, "_decode_kernel"),
         "decode": mocker.spy(CPUAttentionImpl, "_decode_flash"),
         "flash": mocker.spy(CPUAttentionImpl, "_attend_flash"),
         "rows": mocker.spy(CPUAttentionImpl, "_attend_rows"),
@@ -70,8 +71,11 @@ def _spy_paths(mocker: MockerFixture) -> dict[str, object]:
 
 
 def _taken(spies: dict[str, object]) -> str:
-    """The path the spied calls show: decode, flash or matmul."""
+    """The path the spied calls show: kernel, decode, flash or matmul."""
     counts = {name: spy.call_count for name, spy in spies.items()}  # type: ignore[attr-defined]
+    if counts["kernel"]:
+        assert counts["decode"] == counts["flash"] == counts["rows"] == 0
+        return "kernel"
     if counts["decode"]:
         assert counts["rows"] == 0
         return "decode"
@@ -129,7 +133,15 @@ def test_dirty_slots_do_not_change_the_output(
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(dirty.double(), expected, atol=tol, rtol=tol)
     if backend_cls is CPUAttentionBackend:
-        assert _taken(spies) == scenario.cpu_path
+        assert _taken(spies) == _expected_cpu_path(scenario)
+
+
+def _expected_cpu_path(scenario: Scenario) -> str:
+    """The compiled kernel where it is on and takes the batch, else the scenario's torch path."""
+    kernel_on = _cpu_kernel.paged_attention_op() is not None
+    if kernel_on and max(scenario.query_lens) <= cpu_attn.KERNEL_MAX_QUERY:
+        return "kernel"
+    return scenario.cpu_path
 
 
 @pytest.mark.parametrize("fill", DIRTY_FILLS)
@@ -142,12 +154,16 @@ def test_cpu_attn_chunk_boundaries_skip_dirty_slots(
     dtype: torch.dtype,
     fill: str,
 ) -> None:
-    """CPU_ATTN cut into the smallest chunks (whole chunks past a sequence's end) stays exact."""
+    """CPU_ATTN's pure-torch paths cut into the smallest chunks (whole chunks past a
+    sequence's end) stay exact."""
     monkeypatch.setattr(cpu_attn, "_CHUNK_BYTES", 1)
     monkeypatch.setattr(cpu_attn, "_DECODE_CHUNK_BYTES", 1)
     spies = _spy_paths(mocker)
 
-    dirty, clean, expected = _dirty_and_clean(CPUAttentionBackend, SCENARIOS[scenario], dtype, fill)
+    with _cpu_kernel.pure_torch():
+        dirty, clean, expected = _dirty_and_clean(
+            CPUAttentionBackend, SCENARIOS[scenario], dtype, fill
+        )
 
     assert _taken(spies) == SCENARIOS[scenario].cpu_path
     assert bool(dirty.isfinite().all())

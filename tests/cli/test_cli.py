@@ -541,3 +541,18 @@ def test_example_engine_takes_threads_and_reports_the_load() -> None:
     )
     assert refused.returncode == 2
     assert "--threads must be at least 1" in refused.stderr
+
+
+def test_list_shows_cpu_attn_decode_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """list names CPU_ATTN's decode path: the compiled kernel, or pure torch when switched off."""
+    import warnings
+
+    from attn_di.backends import _cpu_kernel
+
+    with warnings.catch_warnings():  # where the kernel is unavailable, the status says why
+        warnings.simplefilter("ignore")
+        expected = _cpu_kernel.kernel_status().describe()
+    assert json.loads(attn_di("list", "--json").stdout)["cpu_attn_decode"] == expected
+    monkeypatch.setenv("ATTN_DI_CPU_KERNEL", "0")
+    table = attn_di("list")
+    assert "CPU_ATTN decode: pure torch: switched off (ATTN_DI_CPU_KERNEL=0)" in table.stdout

@@ -1,9 +1,14 @@
-"""CPU_ATTN: pure-torch paged attention, the workhorse on CPU.
+"""CPU_ATTN: paged attention on CPU, a compiled decode kernel over pure-torch paths.
 
-``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017) over each sequence's keys,
-gathered from the paged cache in cache-sized chunks whose results are merged exactly
-(online softmax / log-sum-exp). Three paths:
+``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017) over each sequence's keys.
+Four paths:
 
+* batches of short queries (decode, chunked decode: at most :data:`KERNEL_MAX_QUERY`
+  tokens per sequence), no autograd, on CPU: the compiled kernel reads the paged cache in
+  place through the block table (:mod:`attn_di.backends._cpu_kernel`); every feature.
+  Unless it is unavailable or switched off (``ATTN_DI_CPU_KERNEL=0``); then the pure-torch
+  paths below, which gather keys from the paged cache in cache-sized chunks whose results
+  are merged exactly (online softmax / log-sum-exp):
 * pure decode (one query per sequence, no window, no soft cap or ALiBi, no autograd, on
   CPU): whole cache blocks gathered per chunk straight into the fused CPU flash kernel,
   chunks merged once at the end (:meth:`CPUAttentionImpl._decode_flash`);
@@ -22,6 +27,7 @@ import torch
 
 from attn_di.backend._backend import AttentionBackend
 from attn_di.backend._metadata import AttentionMetadata
+from attn_di.backends import _cpu_kernel
 from attn_di.backends._common import (
     SeqGroup,
     alibi_bias,
@@ -29,7 +35,11 @@ from attn_di.backends._common import (
 )
 from attn_di.backends._grouped import GroupedAttentionImpl, TorchCPUBackend
 
-__all__ = ["CPUAttentionBackend", "CPUAttentionImpl"]
+__all__ = ["KERNEL_MAX_QUERY", "CPUAttentionBackend", "CPUAttentionImpl"]
+
+#: Longest query (tokens per sequence) the compiled kernel takes; longer ones are prefills,
+#: compute-bound, where torch's flash kernel (matrix products) is faster.
+KERNEL_MAX_QUERY = 16
 
 
 class CPUAttentionBackend(TorchCPUBackend):
@@ -68,6 +78,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._workspace = _Workspace()
+        self._kernel_options: tuple[Any, ...] | None = None
 
     def _forward_fast(
         self,
@@ -76,11 +87,52 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         metadata: AttentionMetadata,
         rows: torch.Tensor,
     ) -> bool:
-        """Pure decode batches take :meth:`_decode_flash`; everything else the grouped path."""
-        if uses_cache(self) and _is_pure_decode(self, query, kv_cache, metadata):
+        """Short queries take the compiled kernel (:meth:`_decode_kernel`), else pure decode
+        batches :meth:`_decode_flash`; everything else the grouped path."""
+        if not uses_cache(self):
+            return False
+        if _kernel_applies(query, kv_cache, metadata):
+            kernel = _cpu_kernel.paged_attention_op()
+            if kernel is not None:
+                self._decode_kernel(kernel, query, kv_cache, metadata, rows)
+                return True
+        if _is_pure_decode(self, query, kv_cache, metadata):
             self._decode_flash(query, kv_cache, metadata, rows)
             return True
         return False
+
+    def _decode_kernel(
+        self,
+        kernel: Any,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> None:
+        """Attention of every query straight from the paged cache into ``rows``, compiled.
+
+        ``kernel`` is ``torch.ops.attn_di.paged_attention``; it reads only the slots of
+        positions each query may see, so garbage elsewhere in the cache never reaches
+        ``rows``. The layer options are converted once per impl.
+        """
+        if self._kernel_options is None:
+            alibi = self.alibi_slopes
+            self._kernel_options = (
+                self.scale,
+                self.sliding_window or 0,
+                self.logits_soft_cap or 0.0,
+                None if alibi is None else torch.tensor(alibi, dtype=torch.float32),
+                None if self.sinks is None else self.sinks.detach().float().contiguous(),
+            )
+        kernel(
+            query,
+            kv_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            rows,
+            *self._kernel_options,
+        )
 
     def _decode_flash(
         self,
@@ -329,6 +381,24 @@ def _use_flash_kernel(
         return False
     wants_grad = query.requires_grad or key_src.requires_grad or value_src.requires_grad
     return not (torch.is_grad_enabled() and wants_grad)
+
+
+def _kernel_applies(
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+) -> bool:
+    """Whether the compiled kernel may run this call (if it is loaded).
+
+    Every query is at most :data:`KERNEL_MAX_QUERY` tokens, queries are causal (or single
+    tokens, which see their whole prefix either way), the cache is in the query's dtype, all
+    on CPU, and no gradient is wanted.
+    """
+    if query.device.type != "cpu" or kv_cache.dtype != query.dtype:
+        return False
+    if not metadata.num_seqs or metadata.max_query_len > KERNEL_MAX_QUERY:
+        return False
+    if not (metadata.causal or metadata.max_query_len == 1):
+        return False
+    return not (torch.is_grad_enabled() and (query.requires_grad or kv_cache.requires_grad))
 
 
 def _is_pure_decode(

@@ -4,6 +4,7 @@ resolves to, its source, whether it imports."""
 from __future__ import annotations
 
 import argparse
+import warnings
 from typing import Any
 
 from attn_di._default import get_container
@@ -12,7 +13,7 @@ from attn_di._plugins import PluginRecord, plugin_report
 from attn_di.cli._output import print_json, print_table
 from attn_di.exceptions import AttnDIError
 
-__all__ = ["describe_members", "describe_plugins", "run_list"]
+__all__ = ["describe_cpu_attn_decode", "describe_members", "describe_plugins", "run_list"]
 
 
 def describe_members(family: BackendFamily | None = None) -> list[dict[str, Any]]:
@@ -67,12 +68,20 @@ def run_list(args: argparse.Namespace) -> int:
     by_family = {family: describe_members(family) for family in families()}
     plugins = describe_plugins()
     missing = list(plugin_report().missing)
+    cpu_attn_decode = describe_cpu_attn_decode()
     if args.json:
         output: dict[str, Any] = {
             ("members" if index == 0 else f"{family.key}_members"): records
             for index, (family, records) in enumerate(by_family.items())
         }
-        print_json({**output, "plugins": plugins, "missing_plugins": missing})
+        print_json(
+            {
+                **output,
+                "plugins": plugins,
+                "missing_plugins": missing,
+                "cpu_attn_decode": cpu_attn_decode,
+            }
+        )
         return 0
     for family, records in by_family.items():
         rows = [
@@ -90,6 +99,8 @@ def run_list(args: argparse.Namespace) -> int:
             ["member", "path", "source", "imports", "why not"],
             rows,
         )
+    if cpu_attn_decode:
+        print(f"CPU_ATTN decode: {cpu_attn_decode}")
     shown = [plugin for plugin in plugins if plugin["status"] != "skipped"]
     if len(shown) < len(plugins):
         print(f"{len(plugins) - len(shown)} installed plugin(s) not loaded: not in ATTN_DI_PLUGINS")
@@ -111,6 +122,22 @@ def run_list(args: argparse.Namespace) -> int:
     for name in missing:
         print(f"ATTN_DI_PLUGINS names {name!r}, but no installed plugin has that name")
     return 0
+
+
+def describe_cpu_attn_decode() -> str | None:
+    """Which path attn_di's CPU_ATTN decodes with here (its compiled kernel or pure torch).
+
+    None when torch is not installed. Loads (or builds) the kernel; a failure is described
+    here rather than warned about.
+    """
+    try:
+        from attn_di.backends import _cpu_kernel
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _cpu_kernel.kernel_status().describe()
+    except ImportError:
+        return None
 
 
 def _plugin_of(record: PluginRecord | None) -> str | None:

@@ -1,0 +1,180 @@
+"""CPU_ATTN's compiled decode kernel against its pure-torch path, contiguous SDPA and the floor.
+
+Shapes (32 query / 8 KV heads, head size 128, block size 16, shuffled block tables):
+
+* ``decode``: batch 8, context 2048 (the shape of ``bench_backends.py``);
+* ``long``: batch 1, context 32768;
+* ``wide``: batch 32, context 512;
+* ``mixed``: batch 8, context 2048, half the sequences chunked prefills of 128 new tokens
+  (no contiguous peer; a batch with a query over ``KERNEL_MAX_QUERY`` tokens takes the
+  pure-torch path whole, so both rows run the same code: a check that mixed batches are no
+  slower than before);
+* ``spec``: batch 8, context 2048, 4 query tokens per sequence (chunked decode /
+  speculative decoding), against the pure-torch path.
+
+Contenders run round-robin (one call each per round, after a warm-up call), so load from
+other processes falls on all alike; the table gives medians and ratios within this run.
+Peer: torch SDPA on the same K/V laid out contiguously ``[B, H_kv, L, D]`` with GQA folded
+into the query axis (exact for one query token). Floor: one pass summing K and one summing V.
+
+Run: ``python benchmarks/bench_kernel.py [--rounds N] [--threads N] [--only decode,long]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from attn_di.backend import AttentionMetadataBuilder
+from attn_di.backends import _cpu_kernel
+from attn_di.backends.cpu_attn import CPUAttentionImpl
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    # name: (batch, context, query tokens of the "prefill" half, query tokens of the others)
+    "decode": (8, 2048, 1, 1),
+    "long": (1, 32768, 1, 1),
+    "wide": (32, 512, 1, 1),
+    "spec": (8, 2048, 4, 4),
+    "mixed": (8, 2048, 128, 1),
+}
+
+
+def cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo (or platform's guess)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> str:
+    """The vector extensions this CPU reports (avx2, avx512f, ...)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16")
+                    return " ".join(flag for flag in flags if flag in wanted)
+    except OSError:
+        pass
+    return "?"
+
+
+def medians(contenders: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median milliseconds of each contender, interleaved round-robin after a warm-up."""
+    for fn in contenders.values():
+        fn()
+    times: dict[str, list[float]] = {label: [] for label in contenders}
+    for _ in range(rounds):
+        for label, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(samples) * 1e3 for label, samples in times.items()}
+
+
+def pure_torch(fn: Callable[[], object]) -> object:
+    """Call ``fn`` with CPU_ATTN on its pure-torch path."""
+    with _cpu_kernel.pure_torch():
+        return fn()
+
+
+def contenders_for(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """The callables of one shape and dtype."""
+    batch, context, long_q, short_q = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = batch * context // BLOCK_SIZE
+    kv_cache = torch.randn(
+        (2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_SIZE), generator=gen, dtype=torch.float32
+    ).to(dtype)
+    block_table = torch.randperm(num_blocks, generator=gen).view(batch, -1).int()
+    query_lens = [long_q if i % 2 == 0 else short_q for i in range(batch)]
+    metadata = AttentionMetadataBuilder(BLOCK_SIZE).build(
+        query_lens, [context] * batch, block_table
+    )
+    tokens = sum(query_lens)
+    query = torch.randn(tokens, HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    key = torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    value = torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    output = torch.empty(tokens, HEADS * HEAD_SIZE, dtype=dtype)
+    impl = CPUAttentionImpl(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
+    forward = functools.partial(impl.forward, None, query, key, value, kv_cache, metadata, output)
+    contenders: dict[str, Callable[[], object]] = {
+        "CPU_ATTN kernel (paged)": forward,
+        "CPU_ATTN pure torch (paged)": functools.partial(pure_torch, forward),
+    }
+    if long_q == short_q == 1:
+        k_contig = kv_cache[0][block_table.long()].view(batch, context, KV_HEADS, HEAD_SIZE)
+        v_contig = kv_cache[1][block_table.long()].view(batch, context, KV_HEADS, HEAD_SIZE)
+        k_contig = k_contig.transpose(1, 2).contiguous()
+        v_contig = v_contig.transpose(1, 2).contiguous()
+        q_folded = query.view(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_SIZE)
+        contenders["SDPA contiguous, GQA folded (peer)"] = functools.partial(
+            F.scaled_dot_product_attention, q_folded, k_contig, v_contig
+        )
+        contenders["memory floor (sum K, sum V)"] = lambda: (k_contig.sum(), v_contig.sum())
+    return contenders
+
+
+def main() -> None:
+    """Run every shape in both dtypes and print one table per shape."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--only", default=",".join(SHAPES), help="comma-separated shapes")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    status = _cpu_kernel.kernel_status()
+    print(
+        f"CPU: {cpu_model()} | flags: {cpu_flags()} | torch capability: "
+        f"{torch.backends.cpu.get_cpu_capability()} | cores: {os.cpu_count()} | torch "
+        f"threads: {torch.get_num_threads()} | torch {torch.__version__}"
+    )
+    print(f"CPU_ATTN decode: {status.describe()} | load average: {os.getloadavg()[0]:.2f}")
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    for shape in args.only.split(","):
+        batch, context, long_q, short_q = SHAPES[shape]
+        print(
+            f"\n{shape}: batch {batch}, context {context}, query tokens {long_q}/{short_q}, "
+            f"heads {HEADS}/{KV_HEADS}, head size {HEAD_SIZE}, block size {BLOCK_SIZE}"
+        )
+        results = {dtype: medians(contenders_for(shape, dtype), args.rounds) for dtype in dtypes}
+        header = f"{'contender':<38}"
+        for dtype in dtypes:
+            name = str(dtype).removeprefix("torch.")
+            header += f"{name + ' ms':>12}{'vs peer':>9}{'vs floor':>9}{'vs torch':>9}"
+        print(header)
+        for label in results[dtypes[0]]:
+            line = f"{label:<38}"
+            for dtype in dtypes:
+                row = results[dtype]
+                ms = row[label]
+                peer = row.get("SDPA contiguous, GQA folded (peer)")
+                floor = row.get("memory floor (sum K, sum V)")
+                torch_path = row["CPU_ATTN pure torch (paged)"]
+                line += f"{ms:12.2f}"
+                line += f"{ms / peer:8.2f}x" if peer else f"{'-':>9}"
+                line += f"{ms / floor:8.2f}x" if floor else f"{'-':>9}"
+                line += f"{ms / torch_path:8.2f}x"
+            print(line)
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

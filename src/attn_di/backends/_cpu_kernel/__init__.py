@@ -1,0 +1,286 @@
+"""CPU_ATTN's compiled decode kernel: build, load and report (``paged_attention.cpp``).
+
+The kernel is C++ against torch's own headers, registered as the operator
+``torch.ops.attn_di.paged_attention`` (``TORCH_LIBRARY``, no pybind11), built with
+``torch.utils.cpp_extension`` just in time into a cache directory and loaded from there on
+later runs without the compiler. ``scripts/setup.sh`` builds it ahead
+(``python -m attn_di.backends._cpu_kernel build``).
+
+One build per instruction set, chosen by what torch itself dispatches to on this CPU
+(``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, or the portable default) and
+compiled with exactly that set's flags (never ``-march=native``), so a cache directory shared
+by AVX2-only and AVX-512 machines holds both and each loads its own. The directory name
+carries a hash of the source, the flags and torch's version: a change rebuilds.
+
+Threads come from torch's intra-op pool (``at::parallel_for``; the library links the
+``libgomp.so.1`` torch has already loaded, so there is one OpenMP runtime).
+
+If the kernel cannot be built or loaded, CPU_ATTN keeps its pure-torch path and one
+:class:`~attn_di.exceptions.KernelUnavailableWarning` says why. ``ATTN_DI_CPU_KERNEL=0``
+chooses the pure-torch path on purpose (no warning).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sysconfig
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attn_di.exceptions import InvalidInputError, KernelUnavailableWarning
+
+__all__ = [
+    "ENV_SWITCH",
+    "ISAS",
+    "KernelStatus",
+    "build",
+    "cache_root",
+    "kernel_status",
+    "paged_attention_op",
+    "pure_torch",
+]
+
+logger = logging.getLogger("attn_di.backends")
+
+#: ``0`` / ``off``: CPU_ATTN uses its pure-torch path; ``1`` / ``on`` / unset: the kernel.
+ENV_SWITCH = "ATTN_DI_CPU_KERNEL"
+#: Where builds go (default ``$XDG_CACHE_HOME/attn_di/kernels``, else ``~/.cache/...``).
+ENV_CACHE = "ATTN_DI_KERNEL_CACHE"
+
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_OFF, _ON = ("0", "off", "false", "no"), ("", "1", "on", "true", "yes")
+_COMMON_FLAGS = ("-O3", "-fopenmp")
+# Flags per torch CPU capability, as torch compiles its own kernels for each (x86-64 only).
+_ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"),
+    "default": ("-DCPU_CAPABILITY=DEFAULT",),
+}  # fmt: skip
+#: The instruction sets a build can target.
+ISAS = tuple(_ISA_FLAGS)
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Which path CPU_ATTN's decode takes in this process, and why.
+
+    Attributes:
+        active: whether the compiled kernel is loaded and used.
+        isa: the instruction set the kernel was built for (``avx512``, ``avx2``,
+            ``default``), or None when inactive.
+        reason: one line: where the library came from, or why it is not used.
+        library: the loaded shared library, or None.
+    """
+
+    active: bool
+    isa: str | None
+    reason: str
+    library: str | None = None
+
+    def describe(self) -> str:
+        """One line for people: ``compiled kernel (avx512)`` or ``pure torch: <reason>``."""
+        if self.active:
+            return f"compiled kernel ({self.isa})"
+        return f"pure torch: {self.reason}"
+
+
+_LOCK = threading.Lock()
+_STATUS: KernelStatus | None = None
+_OP: Any = None
+_PURE_TORCH = 0  # > 0 inside pure_torch() blocks
+
+
+def kernel_status() -> KernelStatus:
+    """The kernel's status, loading (or building) it on the first call of the process.
+
+    A failure is reported once, as a :class:`KernelUnavailableWarning`; later calls return
+    the same status without warning again.
+
+    Raises:
+        InvalidInputError: ``ATTN_DI_CPU_KERNEL`` holds something other than on/off.
+    """
+    global _STATUS, _OP
+    if _STATUS is not None:
+        return _STATUS
+    with _LOCK:
+        if _STATUS is not None:
+            return _STATUS
+        switch = os.environ.get(ENV_SWITCH, "").strip().lower()
+        if switch in _OFF:
+            _STATUS = KernelStatus(False, None, f"switched off ({ENV_SWITCH}={switch})")
+            return _STATUS
+        if switch not in _ON:
+            raise InvalidInputError(
+                ENV_SWITCH,
+                f"is {os.environ[ENV_SWITCH]!r}",
+                hint=f"set {ENV_SWITCH}=1 (use the compiled kernel) or 0 (pure torch)",
+            )
+        try:
+            library, isa = _load()
+            import torch
+
+            _OP = torch.ops.attn_di.paged_attention
+            _STATUS = KernelStatus(True, isa, f"loaded from {library}", str(library))
+        except Exception as exc:  # any failure means: fall back, and say why
+            reason = _one_line(exc)
+            _STATUS = KernelStatus(False, None, reason)
+            warnings.warn(
+                KernelUnavailableWarning(reason, hint=_hint(exc)),
+                stacklevel=2,
+            )
+        return _STATUS
+
+
+def paged_attention_op() -> Any:
+    """``torch.ops.attn_di.paged_attention``, or None when CPU_ATTN uses pure torch."""
+    if _PURE_TORCH:
+        return None
+    return _OP if kernel_status().active else None
+
+
+@contextmanager
+def pure_torch() -> Iterator[None]:
+    """A block in which CPU_ATTN takes its pure-torch paths (for tests and benchmarks).
+
+    Process-wide, not per thread: nest it, but do not run CPU_ATTN from other threads
+    meanwhile and expect the kernel.
+    """
+    global _PURE_TORCH
+    _PURE_TORCH += 1
+    try:
+        yield
+    finally:
+        _PURE_TORCH -= 1
+
+
+def cache_root() -> Path:
+    """The directory holding one build directory per (source, flags, torch) combination."""
+    configured = os.environ.get(ENV_CACHE)
+    if configured:
+        return Path(configured)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "attn_di" / "kernels"
+
+
+def build(isa: str | None = None, verbose: bool = False) -> Path:
+    """Build the kernel for ``isa`` (default: this CPU's) unless built; return the library.
+
+    Args:
+        isa: ``avx512``, ``avx2`` or ``default``; None: what torch dispatches to here.
+        verbose: show the compiler's command lines and output.
+
+    Returns:
+        The shared library's path (in :func:`cache_root`).
+
+    Raises:
+        RuntimeError: no C++ compiler, or the build failed (the compiler's output is in
+            the message with ``verbose``).
+    """
+    isa = isa or _native_isa()
+    name, directory = _build_dir(isa)
+    library = directory / f"{name}.so"
+    stamp = directory / "built"
+    if stamp.exists() and library.exists():
+        return library
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(
+            f"no C++ compiler ({compiler!r} is not on PATH) to build CPU_ATTN's kernel"
+        )
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    logger.info("building CPU_ATTN's kernel (%s) in %s", isa, directory)
+    path = os.environ.get("PATH", "")
+    try:
+        # cpp_extension runs `ninja` from PATH; the PyPI wheel's lies beside this interpreter,
+        # which may not be on PATH (.venv/bin/python run without activating the venv).
+        os.environ["PATH"] = os.pathsep.join((_ninja_dir(), path))
+        cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=list(_flags(isa)),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    finally:
+        os.environ["PATH"] = path
+    stamp.write_text(f"{isa}\n")
+    return library
+
+
+def _ninja_dir() -> str:
+    """The directory of the ``ninja`` PyPI package's binary, or of this interpreter."""
+    try:
+        import ninja
+
+        return str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        return sysconfig.get_path("scripts")
+
+
+def _load() -> tuple[Path, str]:
+    """Load this CPU's build (building it first if missing); ``(library, isa)``."""
+    import torch
+
+    isa = _native_isa()
+    library = build(isa)
+    if not hasattr(torch.ops.attn_di, "paged_attention"):
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+    return library, isa
+
+
+def _native_isa() -> str:
+    """``avx512`` / ``avx2`` as torch's own dispatch on this CPU, else ``default``."""
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "default"
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return capability if capability in ("avx512", "avx2") else "default"
+
+
+def _flags(isa: str) -> tuple[str, ...]:
+    return (*_COMMON_FLAGS, *_ISA_FLAGS[isa], f"-DATTN_DI_KERNEL_ISA={isa}")
+
+
+def _build_dir(isa: str) -> tuple[str, Path]:
+    """``(library name, build directory)``: named by ISA and a hash of what the build uses."""
+    import torch
+
+    digest = hashlib.sha256(_SOURCE.read_bytes())
+    for part in (*_flags(isa), torch.__version__, platform.machine()):
+        digest.update(b"\0" + part.encode())
+    name = f"attn_di_cpu_{isa}_{digest.hexdigest()[:12]}"
+    return name, cache_root() / name
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _hint(exc: BaseException) -> str:
+    if "compiler" in str(exc):
+        return (
+            "install a C++ compiler (e.g. apt-get install g++), then run "
+            "`python -m attn_di.backends._cpu_kernel build`; CPU_ATTN works meanwhile"
+        )
+    return (
+        "see `python -m attn_di.backends._cpu_kernel build --verbose` for the compiler's "
+        f"output; {ENV_SWITCH}=0 silences this by choosing the pure-torch path"
+    )

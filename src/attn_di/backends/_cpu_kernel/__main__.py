@@ -1,0 +1,40 @@
+"""``python -m attn_di.backends._cpu_kernel [build|status] [--isa ISA] [--verbose]``.
+
+``build`` compiles CPU_ATTN's kernel for this CPU (or ``--isa``) into the cache unless it
+is there, and exits 1 with the reason if it cannot; ``status`` loads it (building if
+needed) and prints which path CPU_ATTN takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from attn_di.backends import _cpu_kernel
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m attn_di.backends._cpu_kernel")
+    parser.add_argument("command", choices=["build", "status"], nargs="?", default="status")
+    parser.add_argument("--isa", choices=sorted(_cpu_kernel.ISAS), default=None)
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "status":
+        print(f"CPU_ATTN decode: {_cpu_kernel.kernel_status().describe()}")
+        return 0
+    start = time.perf_counter()
+    try:
+        library = _cpu_kernel.build(args.isa, verbose=args.verbose)
+    except Exception as exc:  # report any build failure as one line
+        print(f"CPU_ATTN's kernel was not built: {exc}", file=sys.stderr)
+        return 1
+    print(f"CPU_ATTN's kernel: {library} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,731 @@
+// CPU_ATTN's compiled decode kernel: attention of short queries (decode, chunked decode) over
+// a paged KV cache, read in place through the block table.
+//
+// softmax(q . k * scale [soft cap] [+ ALiBi] [sliding window]) . v (Vaswani et al. 2017), with
+// sinks in the denominator only. Layouts are vLLM's (and attn_di's, see attn_di.backend):
+//   query      [N, H, D]                     (last dim contiguous; any row strides)
+//   kv_cache   [2, num_blocks, block_size, H_kv, D], contiguous
+//   block_table[B, max_blocks]               position p of sequence b is at slot
+//                                            block_table[b, p / block_size] * block_size + p % block_size
+//   seq_lens   [B], query_start_loc [B + 1]; the queries of sequence b are its last
+//                                            q_len = query_start_loc[b+1] - query_start_loc[b] positions.
+//   out        [N, H, D]                     (last dim contiguous), rows of real tokens written.
+//
+// Work: one item = one sequence x one partition of its visible keys. An item reads its key
+// rows in block-table order, a whole token row (all KV heads) at a time, computes every
+// query row's score in one pass over the keys, then the softmax, then a pass over the value
+// rows; the query heads of one KV head are processed together (GQA/MQA). Sequences split in
+// several partitions are merged afterwards through their (max, sum) pairs (log-sum-exp
+// merge, Milakov & Gimelshein 2018). Items are handed out dynamically, longest first, to
+// the threads of torch's own intra-op pool (at::parallel_for).
+//
+// Only slots of positions a query may see are ever loaded; a masked score never enters a
+// product, so garbage (NaN/Inf) anywhere else in the cache cannot reach the output.
+// Accumulation is float32 whatever the cache dtype.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#ifndef ATTN_DI_KERNEL_ISA
+#define ATTN_DI_KERNEL_ISA default
+#endif
+#define ATTN_DI_STRINGIFY_(x) #x
+#define ATTN_DI_STRINGIFY(x) ATTN_DI_STRINGIFY_(x)
+
+namespace attn_di_kernel {
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = fVec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Most float scores an item keeps at once (query rows x keys): 256 KiB, an L2's share.
+constexpr int64_t kScoreBudget = 64 * 1024;
+// Fewest keys per partition: below this the merge and the per-item set-up dominate.
+constexpr int64_t kMinPartition = 256;
+
+struct Options {
+  int64_t heads, kv_heads, group, head_size, block_size, num_blocks;
+  float scale;
+  int64_t window;     // 0: none
+  float soft_cap;     // 0: none
+  const float* alibi; // [H] or nullptr
+  const float* sinks; // [H] or nullptr
+};
+
+struct Sequence {
+  int64_t first_query, q_len, seq_len, lo;  // lo: first key any of its queries sees
+  int64_t first_item, num_items;
+  int64_t partial_offset;  // into the partial buffers, in rows, when num_items > 1
+};
+
+struct Item {
+  int64_t seq, start, stop, part;
+};
+
+// Horizontal sum of one vector.
+inline float reduce_sum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
+}
+
+// res[r] = dot(q + r * q_stride, k) for NR query rows at once: each key vector is loaded once.
+template <int NR>
+inline void dot_rows(const float* k, const float* q, int64_t q_stride, int64_t size, float* res) {
+  fVec acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = fVec(0.f);
+  int64_t d = 0;
+  for (; d + kLanes <= size; d += kLanes) {
+    const fVec kv = fVec::loadu(k + d);
+    for (int r = 0; r < NR; ++r) acc[r] = at::vec::fmadd(fVec::loadu(q + r * q_stride + d), kv, acc[r]);
+  }
+  if (d < size) {
+    const int64_t rest = size - d;
+    const fVec kv = fVec::loadu(k + d, rest);
+    for (int r = 0; r < NR; ++r)
+      acc[r] = at::vec::fmadd(fVec::loadu(q + r * q_stride + d, rest), kv, acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) res[r] = reduce_sum(acc[r]);
+}
+
+// acc[r] += p[r] * v for NR accumulator rows (stride acc_stride): v is loaded once.
+template <int NR>
+inline void axpy_rows(const float* v, const float* p, float* acc, int64_t acc_stride, int64_t size) {
+  fVec pv[NR];
+  for (int r = 0; r < NR; ++r) pv[r] = fVec(p[r]);
+  int64_t d = 0;
+  for (; d + kLanes <= size; d += kLanes) {
+    const fVec vv = fVec::loadu(v + d);
+    for (int r = 0; r < NR; ++r) {
+      float* a = acc + r * acc_stride + d;
+      at::vec::fmadd(pv[r], vv, fVec::loadu(a)).store(a);
+    }
+  }
+  if (d < size) {
+    const int64_t rest = size - d;
+    const fVec vv = fVec::loadu(v + d, rest);
+    for (int r = 0; r < NR; ++r) {
+      float* a = acc + r * acc_stride + d;
+      at::vec::fmadd(pv[r], vv, fVec::loadu(a, rest)).store(a, rest);
+    }
+  }
+}
+
+// kLanes values of a cache row as float32 (`count` < kLanes: the first `count`, zeros after).
+template <typename T>
+inline fVec load_f(const T* p) {
+  fVec out;
+  at::vec::load_to_float<T>(p, out);
+  return out;
+}
+template <>
+inline fVec load_f<float>(const float* p) {
+  return fVec::loadu(p);
+}
+template <typename T>
+inline fVec load_f(const T* p, int64_t count) {
+  float line[kLanes];
+  for (int64_t i = 0; i < count; ++i) line[i] = static_cast<float>(p[i]);
+  return fVec::loadu(line, count);
+}
+template <>
+inline fVec load_f<float>(const float* p, int64_t count) {
+  return fVec::loadu(p, count);
+}
+
+// out[0..4) = horizontal sums of a0..a3.
+inline void reduce4(const fVec& a0, const fVec& a1, const fVec& a2, const fVec& a3, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  auto fold = [](const fVec& a) {
+    const __m512 v = a;
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  };
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(fold(a0), fold(a1)), _mm256_hadd_ps(fold(a2), fold(a3)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+#else
+  out[0] = reduce_sum(a0);
+  out[1] = reduce_sum(a1);
+  out[2] = reduce_sum(a2);
+  out[3] = reduce_sum(a3);
+#endif
+}
+
+// Scores of NR query rows (q, stride D) against the keys of `nt` token rows (pointers already
+// at the KV head), two tokens at a time: out[t * out_stride + r].
+template <typename T, int NR>
+inline void score_tile(const T* const* k, int64_t nt, const float* q, int64_t size, float* out,
+                       int64_t out_stride) {
+  int64_t t = 0;
+  for (; t + 2 <= nt; t += 2) {
+    fVec a[2][NR];
+    for (int r = 0; r < NR; ++r) a[0][r] = a[1][r] = fVec(0.f);
+    const T* k0 = k[t];
+    const T* k1 = k[t + 1];
+    int64_t d = 0;
+    for (; d + kLanes <= size; d += kLanes) {
+      const fVec x0 = load_f<T>(k0 + d), x1 = load_f<T>(k1 + d);
+      for (int r = 0; r < NR; ++r) {
+        const fVec qv = fVec::loadu(q + r * size + d);
+        a[0][r] = at::vec::fmadd(qv, x0, a[0][r]);
+        a[1][r] = at::vec::fmadd(qv, x1, a[1][r]);
+      }
+    }
+    if (d < size) {
+      const int64_t rest = size - d;
+      const fVec x0 = load_f<T>(k0 + d, rest), x1 = load_f<T>(k1 + d, rest);
+      for (int r = 0; r < NR; ++r) {
+        const fVec qv = fVec::loadu(q + r * size + d, rest);
+        a[0][r] = at::vec::fmadd(qv, x0, a[0][r]);
+        a[1][r] = at::vec::fmadd(qv, x1, a[1][r]);
+      }
+    }
+    for (int u = 0; u < 2; ++u) {
+      float* o = out + (t + u) * out_stride;
+      if constexpr (NR == 4) {
+        reduce4(a[u][0], a[u][1], a[u][2], a[u][3], o);
+      } else {
+        for (int r = 0; r < NR; ++r) o[r] = reduce_sum(a[u][r]);
+      }
+    }
+  }
+  for (; t < nt; ++t) {
+    fVec a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = fVec(0.f);
+    int64_t d = 0;
+    for (; d + kLanes <= size; d += kLanes) {
+      const fVec x = load_f<T>(k[t] + d);
+      for (int r = 0; r < NR; ++r) a[r] = at::vec::fmadd(fVec::loadu(q + r * size + d), x, a[r]);
+    }
+    if (d < size) {
+      const int64_t rest = size - d;
+      const fVec x = load_f<T>(k[t] + d, rest);
+      for (int r = 0; r < NR; ++r)
+        a[r] = at::vec::fmadd(fVec::loadu(q + r * size + d, rest), x, a[r]);
+    }
+    for (int r = 0; r < NR; ++r) out[t * out_stride + r] = reduce_sum(a[r]);
+  }
+}
+
+// acc[r] += sum_t p[t * p_stride + r] * v_t for NR accumulator rows (stride D) and `nt`
+// token rows (pointers already at the KV head); two vectors of D per pass, kept in registers.
+template <typename T, int NR>
+inline void value_tile(const T* const* v, int64_t nt, const float* p, int64_t p_stride, float* acc,
+                       int64_t size) {
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= size; d += 2 * kLanes) {
+    fVec a[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      a[r][0] = fVec::loadu(acc + r * size + d);
+      a[r][1] = fVec::loadu(acc + r * size + d + kLanes);
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+      const fVec x0 = load_f<T>(v[t] + d), x1 = load_f<T>(v[t] + d + kLanes);
+      for (int r = 0; r < NR; ++r) {
+        const fVec pr(p[t * p_stride + r]);
+        a[r][0] = at::vec::fmadd(pr, x0, a[r][0]);
+        a[r][1] = at::vec::fmadd(pr, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      a[r][0].store(acc + r * size + d);
+      a[r][1].store(acc + r * size + d + kLanes);
+    }
+  }
+  for (; d < size; d += kLanes) {
+    const int64_t rest = std::min<int64_t>(kLanes, size - d);
+    fVec a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = fVec::loadu(acc + r * size + d, rest);
+    for (int64_t t = 0; t < nt; ++t) {
+      const fVec x = rest == kLanes ? load_f<T>(v[t] + d) : load_f<T>(v[t] + d, rest);
+      for (int r = 0; r < NR; ++r) a[r] = at::vec::fmadd(fVec(p[t * p_stride + r]), x, a[r]);
+    }
+    for (int r = 0; r < NR; ++r) a[r].store(acc + r * size + d, rest);
+  }
+}
+
+// A cache row (H_kv * D values) as float32: the row itself, or its conversion in `scratch`.
+template <typename T>
+inline const float* as_float(const T* row, int64_t n, float* scratch) {
+  using bVec = at::vec::Vectorized<T>;
+  int64_t i = 0;
+  for (; i + bVec::size() <= n; i += bVec::size()) {
+    auto converted = at::vec::convert_to_float<T>(bVec::loadu(row + i));
+    std::get<0>(converted).store(scratch + i);
+    std::get<1>(converted).store(scratch + i + kLanes);
+  }
+  for (; i < n; ++i) scratch[i] = static_cast<float>(row[i]);
+  return scratch;
+}
+
+template <>
+inline const float* as_float<float>(const float* row, int64_t, float*) {
+  return row;
+}
+
+// Token rows touched ahead of use, one line per 4 KiB: a token row (H_kv * D values) is often
+// a page of its own, and the hardware prefetchers stop at page boundaries, so each row would
+// otherwise start with a full miss (measured: ~10-30% of a cold decode on the dev machine).
+constexpr int64_t kPrefetchRows = 16;
+constexpr int64_t kPageBytes = 4096;
+
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t off = 0; off < bytes; off += kPageBytes) __builtin_prefetch(p + off, 0, 3);
+}
+
+// Query rows [i_lo, i_hi) (of q_len) may see key position `key`: causal and windowed.
+inline void visible_rows(const Sequence& s, const Options& o, int64_t key, int64_t& i_lo, int64_t& i_hi) {
+  const int64_t first_pos = s.seq_len - s.q_len;
+  i_lo = std::max<int64_t>(0, key - first_pos);
+  i_hi = o.window > 0 ? std::min<int64_t>(s.q_len, key - first_pos + o.window) : s.q_len;
+}
+
+// Whether every query row sees every key of [first, first + count): then no key in it is masked.
+inline bool full_tile(const Sequence& s, const Options& o, int64_t first, int64_t count) {
+  int64_t lo_first, hi_first, lo_last, hi_last;
+  visible_rows(s, o, first, lo_first, hi_first);
+  visible_rows(s, o, first + count - 1, lo_last, hi_last);
+  return hi_first == s.q_len && lo_last == 0;
+}
+
+// Tokens per tile: rows whose pointers are resolved together and read register-blocked.
+constexpr int64_t kTile = 16;
+
+// Per-thread scratch, grown as needed and reused across items.
+struct Scratch {
+  std::vector<float> queries, scores, acc, key_row, value_row;
+};
+
+template <typename T>
+struct Kernel {
+  const T* query;
+  int64_t q_stride0, q_stride1;
+  const T* keys;    // kv_cache[0], flat
+  const T* values;  // kv_cache[1], flat
+  const int64_t* table;
+  int64_t table_stride;
+  T* out;
+  int64_t out_stride0, out_stride1;
+  Options o;
+  const std::vector<Sequence>* seqs;
+  float* partial_acc;  // [rows, D] per partial row
+  float* partial_max;  // [rows]
+  float* partial_sum;  // [rows]
+
+  const T* key_row(const T* base, const Sequence& s, int64_t seq, int64_t pos) const {
+    const int64_t block = table[seq * table_stride + pos / o.block_size];
+    const int64_t slot = block * o.block_size + pos % o.block_size;
+    return base + slot * o.kv_heads * o.head_size;
+  }
+
+  void run_item(const Item& item, Scratch& sc) const {
+    const Sequence& s = (*seqs)[item.seq];
+    const int64_t H = o.heads, G = o.group, D = o.head_size, row_width = o.kv_heads * D;
+    const int64_t rows = s.q_len * H;  // row r = i * H + h
+    const int64_t n = item.stop - item.start;
+    sc.queries.resize(rows * D);
+    sc.scores.resize(rows * n);
+    sc.acc.assign(rows * D, 0.f);
+    sc.key_row.resize(row_width);
+    sc.value_row.resize(row_width);
+    float* q = sc.queries.data();
+    float* scores = sc.scores.data();
+    float* acc = sc.acc.data();
+    // Scaled float32 queries, [q_len, H, D].
+    for (int64_t i = 0; i < s.q_len; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        const T* src = query + (s.first_query + i) * q_stride0 + h * q_stride1;
+        float* dst = q + (i * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * o.scale;
+      }
+    // Pass 1: scores, token-major (scores[j * rows + r]); the query rows that may see key j
+    // are one contiguous range [r_lo, r_hi), the others hold -inf (never computed). Keys go
+    // in tiles of kTile tokens; a tile every query row sees whole (always so in decode) takes
+    // the register-blocked path.
+    const int64_t row_bytes = row_width * static_cast<int64_t>(sizeof(T));
+    const T* tile_rows[kTile];
+    const T* head_rows[kTile];
+    auto modify_scores = [&](int64_t j, int64_t r_lo, int64_t r_hi) {
+      float* sj = scores + j * rows;
+      if (o.soft_cap > 0.f) {
+        const fVec cap(o.soft_cap), inv(1.f / o.soft_cap);
+        int64_t r = r_lo;
+        for (; r + kLanes <= r_hi; r += kLanes) (cap * (fVec::loadu(sj + r) * inv).tanh()).store(sj + r);
+        for (; r < r_hi; ++r) sj[r] = o.soft_cap * std::tanh(sj[r] / o.soft_cap);
+      }
+      if (o.alibi != nullptr)
+        for (int64_t r = r_lo; r < r_hi; ++r) {
+          const int64_t query_pos = s.seq_len - s.q_len + r / H;
+          sj[r] += o.alibi[r % H] * static_cast<float>(item.start + j - query_pos);
+        }
+    };
+    for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+      const int64_t nt = std::min(kTile, n - j0);
+      for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
+          prefetch_row(key_row(keys, s, item.seq, item.start + t), row_bytes);
+      if (full_tile(s, o, item.start + j0, nt)) {
+        for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(keys, s, item.seq, item.start + j0 + t);
+        for (int64_t i = 0; i < s.q_len; ++i)
+          for (int64_t g = 0; g < o.kv_heads; ++g) {
+            for (int64_t t = 0; t < nt; ++t) head_rows[t] = tile_rows[t] + g * D;
+            const int64_t r0 = i * H + g * G;
+            float* out = scores + j0 * rows + r0;
+            int64_t h = 0;
+            for (; h + 4 <= G; h += 4) score_tile<T, 4>(head_rows, nt, q + (r0 + h) * D, D, out + h, rows);
+            for (; h < G; ++h) score_tile<T, 1>(head_rows, nt, q + (r0 + h) * D, D, out + h, rows);
+          }
+        if (o.soft_cap > 0.f || o.alibi != nullptr)
+          for (int64_t t = 0; t < nt; ++t) modify_scores(j0 + t, 0, rows);
+        continue;
+      }
+      for (int64_t j = j0; j < j0 + nt; ++j) {
+        const int64_t pos = item.start + j;
+        int64_t i_lo, i_hi;
+        visible_rows(s, o, pos, i_lo, i_hi);
+        float* sj = scores + j * rows;
+        const int64_t r_lo = i_lo * H, r_hi = std::max(i_lo, i_hi) * H;
+        std::fill(sj, sj + r_lo, kNegInf);
+        std::fill(sj + r_hi, sj + rows, kNegInf);
+        if (r_lo >= r_hi) continue;
+        const float* k = as_float<T>(key_row(keys, s, item.seq, pos), row_width, sc.key_row.data());
+        for (int64_t i = i_lo; i < i_hi; ++i)
+          for (int64_t g = 0; g < o.kv_heads; ++g) {
+            const float* kg = k + g * D;
+            const int64_t r0 = i * H + g * G;
+            int64_t h = 0;
+            for (; h + 4 <= G; h += 4) dot_rows<4>(kg, q + (r0 + h) * D, D, D, sj + r0 + h);
+            for (; h < G; ++h) dot_rows<1>(kg, q + (r0 + h) * D, D, D, sj + r0 + h);
+          }
+        modify_scores(j, r_lo, r_hi);
+      }
+    }
+    // Softmax numerators in place: per row, its max over the keys, then exp(s - max) and sum,
+    // vectorised across rows (a row without a visible key keeps max -inf and sum 0).
+    std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), row_shift(rows);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* sj = scores + j * rows;
+      int64_t r = 0;
+      for (; r + kLanes <= rows; r += kLanes)
+        at::vec::maximum(fVec::loadu(row_max.data() + r), fVec::loadu(sj + r)).store(row_max.data() + r);
+      for (; r < rows; ++r) row_max[r] = std::max(row_max[r], sj[r]);
+    }
+    for (int64_t r = 0; r < rows; ++r) row_shift[r] = row_max[r] == kNegInf ? 0.f : row_max[r];
+    for (int64_t j = 0; j < n; ++j) {
+      float* sj = scores + j * rows;
+      int64_t r = 0;
+      for (; r + kLanes <= rows; r += kLanes) {
+        const fVec e = (fVec::loadu(sj + r) - fVec::loadu(row_shift.data() + r)).exp_u20();
+        e.store(sj + r);
+        (fVec::loadu(row_sum.data() + r) + e).store(row_sum.data() + r);
+      }
+      for (; r < rows; ++r) {
+        sj[r] = std::exp(sj[r] - row_shift[r]);
+        row_sum[r] += sj[r];
+      }
+    }
+    // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only.
+    for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+      const int64_t nt = std::min(kTile, n - j0);
+      for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
+          prefetch_row(key_row(values, s, item.seq, item.start + t), row_bytes);
+      if (full_tile(s, o, item.start + j0, nt)) {
+        for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(values, s, item.seq, item.start + j0 + t);
+        for (int64_t i = 0; i < s.q_len; ++i)
+          for (int64_t g = 0; g < o.kv_heads; ++g) {
+            for (int64_t t = 0; t < nt; ++t) head_rows[t] = tile_rows[t] + g * D;
+            const int64_t r0 = i * H + g * G;
+            const float* pj = scores + j0 * rows + r0;
+            int64_t h = 0;
+            for (; h + 4 <= G; h += 4) value_tile<T, 4>(head_rows, nt, pj + h, rows, acc + (r0 + h) * D, D);
+            for (; h < G; ++h) value_tile<T, 1>(head_rows, nt, pj + h, rows, acc + (r0 + h) * D, D);
+          }
+        continue;
+      }
+      for (int64_t j = j0; j < j0 + nt; ++j) {
+        const int64_t pos = item.start + j;
+        int64_t i_lo, i_hi;
+        visible_rows(s, o, pos, i_lo, i_hi);
+        if (i_lo >= i_hi) continue;
+        const float* v = as_float<T>(key_row(values, s, item.seq, pos), row_width, sc.value_row.data());
+        const float* pj = scores + j * rows;
+        for (int64_t i = i_lo; i < i_hi; ++i)
+          for (int64_t g = 0; g < o.kv_heads; ++g) {
+            const float* vg = v + g * D;
+            const int64_t r0 = i * H + g * G;
+            int64_t h = 0;
+            for (; h + 4 <= G; h += 4) axpy_rows<4>(vg, pj + r0 + h, acc + (r0 + h) * D, D, D);
+            for (; h < G; ++h) axpy_rows<1>(vg, pj + r0 + h, acc + (r0 + h) * D, D, D);
+          }
+      }
+    }
+    if (s.num_items == 1) {
+      for (int64_t r = 0; r < rows; ++r) finish_row(s, r, &row_max[r], &row_sum[r], acc + r * D, 1);
+      return;
+    }
+    const int64_t base = s.partial_offset + item.part * rows;
+    std::copy(acc, acc + rows * D, partial_acc + base * D);
+    std::copy(row_max.begin(), row_max.end(), partial_max + base);
+    std::copy(row_sum.begin(), row_sum.end(), partial_sum + base);
+  }
+
+  // Merge a sequence's partitions (log-sum-exp) and write its output rows.
+  void merge_sequence(const Sequence& s, std::vector<float>& maxes, std::vector<float>& sums,
+                      std::vector<const float*>& accs) const {
+    const int64_t rows = s.q_len * o.heads;
+    maxes.resize(s.num_items);
+    sums.resize(s.num_items);
+    accs.resize(s.num_items);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t part = 0; part < s.num_items; ++part) {
+        const int64_t at = s.partial_offset + part * rows + r;
+        maxes[part] = partial_max[at];
+        sums[part] = partial_sum[at];
+        accs[part] = partial_acc + at * o.head_size;
+      }
+      finish_row(s, r, maxes.data(), sums.data(), accs.data(), s.num_items);
+    }
+  }
+
+  // out row r = sum_p acc_p e^(m_p - M) / (sum_p l_p e^(m_p - M) + e^(sink - M)).
+  template <typename Acc>
+  void finish_row(const Sequence& s, int64_t r, const float* maxes, const float* sums, Acc accs,
+                  int64_t parts) const {
+    const int64_t H = o.heads, D = o.head_size;
+    const int64_t i = r / H, h = r % H;
+    float peak = kNegInf;
+    for (int64_t part = 0; part < parts; ++part) peak = std::max(peak, maxes[part]);
+    const float sink = o.sinks != nullptr ? o.sinks[h] : kNegInf;
+    peak = std::max(peak, sink);
+    T* dst = out + (s.first_query + i) * out_stride0 + h * out_stride1;
+    float denom = 0.f;
+    if (peak != kNegInf) {
+      for (int64_t part = 0; part < parts; ++part)
+        if (maxes[part] != kNegInf) denom += sums[part] * std::exp(maxes[part] - peak);
+      if (o.sinks != nullptr) denom += std::exp(sink - peak);
+    }
+    if (!(denom > 0.f)) {  // nothing visible and no sink: zeros, like an empty sum
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(0.f);
+      return;
+    }
+    float line[1024];
+    float* merged = D <= 1024 ? line : nullptr;
+    std::vector<float> heap;
+    if (merged == nullptr) {
+      heap.resize(D);
+      merged = heap.data();
+    }
+    std::fill(merged, merged + D, 0.f);
+    for (int64_t part = 0; part < parts; ++part) {
+      if (maxes[part] == kNegInf) continue;  // an empty partition adds nothing
+      const float weight = std::exp(maxes[part] - peak) / denom;
+      const float* a = pick(accs, part);
+      for (int64_t d = 0; d < D; ++d) merged[d] += weight * a[d];
+    }
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(merged[d]);
+  }
+
+  static const float* pick(const float* acc, int64_t) { return acc; }
+  static const float* pick(const float* const* accs, int64_t part) { return accs[part]; }
+};
+
+template <typename T>
+void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& table,
+         std::vector<Sequence>& seqs, std::vector<Item>& items, at::Tensor& out, const Options& o,
+         int64_t partial_rows) {
+  const int64_t cache_half = kv_cache.size(1) * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4);
+  std::vector<float> partial_acc(partial_rows * o.head_size), partial_max(partial_rows),
+      partial_sum(partial_rows);
+  Kernel<T> kernel{query.const_data_ptr<T>(),
+                   query.stride(0),
+                   query.stride(1),
+                   kv_cache.const_data_ptr<T>(),
+                   kv_cache.const_data_ptr<T>() + cache_half,
+                   table.const_data_ptr<int64_t>(),
+                   table.stride(0),
+                   out.mutable_data_ptr<T>(),
+                   out.stride(0),
+                   out.stride(1),
+                   o,
+                   &seqs,
+                   partial_acc.data(),
+                   partial_max.data(),
+                   partial_sum.data()};
+  // Longest items first, handed out one at a time: ragged batches stay balanced.
+  std::vector<int64_t> order(items.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int64_t wa = (items[a].stop - items[a].start) * seqs[items[a].seq].q_len;
+    const int64_t wb = (items[b].stop - items[b].start) * seqs[items[b].seq].q_len;
+    return wa > wb;
+  });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t at = next.fetch_add(1); at < num_items; at = next.fetch_add(1))
+      kernel.run_item(items[order[at]], scratch);
+  });
+  std::vector<int64_t> merged;
+  for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b)
+    if (seqs[b].num_items > 1) merged.push_back(b);
+  if (merged.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(merged.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> maxes, sums;
+    std::vector<const float*> accs;
+    for (int64_t m = begin; m < end; ++m) kernel.merge_sequence(seqs[merged[m]], maxes, sums, accs);
+  });
+}
+
+void paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
+                     const at::Tensor& block_table_in, const at::Tensor& seq_lens_in,
+                     const at::Tensor& query_start_loc_in, at::Tensor& out, double scale,
+                     int64_t sliding_window, double soft_cap,
+                     const std::optional<at::Tensor>& alibi_slopes_in,
+                     const std::optional<at::Tensor>& sinks_in) {
+  TORCH_CHECK(query_in.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
+              "attn_di paged_attention: CPU tensors only");
+  TORCH_CHECK(query_in.dim() == 3 && out.dim() == 3, "query and out must be [N, H, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, H_kv, D]");
+  TORCH_CHECK(query_in.scalar_type() == kv_cache.scalar_type() &&
+                  out.scalar_type() == kv_cache.scalar_type(),
+              "query, kv_cache and out must share one dtype");
+  TORCH_CHECK(out.stride(2) == 1, "out's last dimension must be contiguous");
+  const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
+  Options o;
+  o.heads = query.size(1);
+  o.head_size = query.size(2);
+  o.num_blocks = kv_cache.size(1);
+  o.block_size = kv_cache.size(2);
+  o.kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == o.head_size && out.size(1) == o.heads && out.size(2) == o.head_size,
+              "head sizes of query, kv_cache and out differ");
+  TORCH_CHECK(o.kv_heads > 0 && o.heads % o.kv_heads == 0, "heads must be a multiple of kv heads");
+  o.group = o.heads / o.kv_heads;
+  o.scale = static_cast<float>(scale);
+  o.window = sliding_window > 0 ? sliding_window : 0;
+  o.soft_cap = soft_cap > 0 ? static_cast<float>(soft_cap) : 0.f;
+  at::Tensor alibi, sinks;
+  o.alibi = nullptr;
+  o.sinks = nullptr;
+  if (alibi_slopes_in.has_value()) {
+    alibi = alibi_slopes_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(alibi.numel() == o.heads, "alibi_slopes must be [H]");
+    o.alibi = alibi.const_data_ptr<float>();
+  }
+  if (sinks_in.has_value()) {
+    sinks = sinks_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks.numel() == o.heads, "sinks must be [H]");
+    o.sinks = sinks.const_data_ptr<float>();
+  }
+  const at::Tensor table = block_table_in.to(at::kLong).contiguous();
+  const at::Tensor seq_lens = seq_lens_in.to(at::kLong).contiguous();
+  const at::Tensor starts = query_start_loc_in.to(at::kLong).contiguous();
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(starts.numel() == num_seqs + 1 && table.dim() == 2 && table.size(0) == num_seqs,
+              "query_start_loc must be [B + 1] and block_table [B, max_blocks]");
+  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
+  const int64_t* qsl = starts.const_data_ptr<int64_t>();
+  const int64_t* blocks = table.const_data_ptr<int64_t>();
+
+  // Plan: each sequence's visible key range, cut into partitions.
+  std::vector<Sequence> seqs(num_seqs);
+  int64_t total_keys = 0, max_rows = 1;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    Sequence& s = seqs[b];
+    s.first_query = qsl[b];
+    s.q_len = qsl[b + 1] - qsl[b];
+    s.seq_len = lens[b];
+    TORCH_CHECK(s.q_len >= 0 && s.seq_len >= s.q_len && qsl[b + 1] <= query.size(0),
+                "sequence ", b, ": query_start_loc/seq_lens inconsistent");
+    const int64_t first_pos = s.seq_len - s.q_len;
+    s.lo = o.window > 0 ? std::max<int64_t>(0, first_pos - o.window + 1) : 0;
+    if (s.q_len == 0) s.lo = s.seq_len;
+    TORCH_CHECK((s.seq_len + o.block_size - 1) / o.block_size <= table.size(1),
+                "block_table too short for sequence ", b);
+    for (int64_t c = s.lo / o.block_size; c * o.block_size < s.seq_len; ++c) {
+      const int64_t block = blocks[b * table.size(1) + c];
+      TORCH_CHECK(block >= 0 && block < o.num_blocks, "sequence ", b, " uses block ", block,
+                  " outside [0, ", o.num_blocks, ")");
+    }
+    total_keys += (s.seq_len - s.lo) * std::max<int64_t>(1, s.q_len);
+    max_rows = std::max(max_rows, s.q_len * o.heads);
+  }
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t partition = (total_keys + 8 * threads - 1) / (8 * threads);
+  partition = std::max(partition, kMinPartition);
+  std::vector<Item> items;
+  int64_t partial_rows = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    Sequence& s = seqs[b];
+    s.first_item = static_cast<int64_t>(items.size());
+    const int64_t rows = s.q_len * o.heads;
+    if (rows == 0) {
+      s.num_items = 0;
+      continue;
+    }
+    const int64_t cap = std::max<int64_t>(16, kScoreBudget / rows);
+    const int64_t width = std::min(std::max<int64_t>(1, partition / std::max<int64_t>(1, s.q_len)), cap);
+    const int64_t keys = s.seq_len - s.lo;
+    const int64_t parts = std::max<int64_t>(1, (keys + width - 1) / width);
+    // Even partitions, aligned to the block size when that keeps them within the cap.
+    int64_t step = (keys + parts - 1) / parts;
+    const int64_t aligned = (step + o.block_size - 1) / o.block_size * o.block_size;
+    if (aligned <= cap) step = aligned;
+    s.num_items = 0;
+    for (int64_t start = s.lo; start < s.seq_len || s.num_items == 0; start += step) {
+      items.push_back({b, start, std::min(s.seq_len, start + step), s.num_items});
+      ++s.num_items;
+      if (start + step >= s.seq_len) break;
+    }
+    s.partial_offset = partial_rows;
+    if (s.num_items > 1) partial_rows += s.num_items * rows;
+  }
+  if (items.empty()) return;
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat:
+      run<float>(query, kv_cache, table, seqs, items, out, o, partial_rows);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(query, kv_cache, table, seqs, items, out, o, partial_rows);
+      break;
+    case at::kHalf:
+      run<c10::Half>(query, kv_cache, table, seqs, items, out, o, partial_rows);
+      break;
+    default:
+      TORCH_CHECK(false, "attn_di paged_attention: unsupported dtype ", kv_cache.scalar_type());
+  }
+}
+
+}  // namespace
+
+std::string isa() { return ATTN_DI_STRINGIFY(ATTN_DI_KERNEL_ISA); }
+
+}  // namespace attn_di_kernel
+
+TORCH_LIBRARY(attn_di, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, Tensor(a!) out, float scale, int sliding_window, float soft_cap, "
+      "Tensor? alibi_slopes=None, Tensor? sinks=None) -> ()");
+  m.def("isa() -> str", &attn_di_kernel::isa);
+}
+
+TORCH_LIBRARY_IMPL(attn_di, CPU, m) {
+  m.impl("paged_attention", &attn_di_kernel::paged_attention);
+}

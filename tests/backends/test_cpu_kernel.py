@@ -1,0 +1,390 @@
+"""CPU_ATTN's compiled decode kernel: numerics on every feature, garbage-proofing, the fallback.
+
+Every numerics test runs the same batch through the kernel and through the pure-torch path
+and compares both with the float64 reference (tolerances as in test_correctness.py). The
+cache of both holds NaN in every key slot and Inf in every value slot no sequence covers
+(on top of make_batch's own garbage), so a path that read past a sequence, into another
+sequence's block or a spare block, fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attn_di.backend import AttentionMetadata
+from attn_di.backends import _cpu_kernel, cpu_attn
+from attn_di.exceptions import InvalidInputError, KernelUnavailableWarning
+from tests.backends.reference import Batch, Options, make_batch, reference_attention
+
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float32: 1e-4,
+    torch.bfloat16: 3e-2,
+    torch.float16: 5e-3,
+}
+
+
+@pytest.fixture(name="kernel")
+def _kernel() -> None:
+    """Skips the test where the kernel is unavailable (the conftest has loaded it already)."""
+    status = _cpu_kernel.kernel_status()
+    if not status.active:
+        pytest.skip(f"CPU_ATTN's kernel: {status.describe()}")
+
+
+requires_kernel = pytest.mark.usefixtures("kernel")
+
+
+def poison_unused_slots(
+    metadata: AttentionMetadata, kv_cache: torch.Tensor, block_size: int
+) -> None:
+    """Fill every cache slot outside the sequences' positions: keys NaN, values Inf."""
+    written = torch.zeros(kv_cache.shape[1] * block_size, dtype=torch.bool)
+    for row, seq_len in enumerate(metadata.seq_lens.tolist()):
+        positions = torch.arange(seq_len)
+        blocks = metadata.block_table[row, positions // block_size].long()
+        written[blocks * block_size + positions % block_size] = True
+    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+    flat[0][~written] = float("nan")
+    flat[1][~written] = float("inf")
+
+
+@dataclass
+class KernelCase:
+    """A decode / chunked-decode batch and layer options."""
+
+    opts: Options
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_size: int
+    dtype: torch.dtype
+    seed: int
+
+
+@st.composite
+def kernel_cases(draw: st.DrawFn) -> KernelCase:
+    """Short queries (1..16 tokens) over ragged contexts with every layer option."""
+    ratio = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    num_kv_heads = draw(st.integers(1, 3))
+    num_heads = ratio * num_kv_heads
+    seq_lens = draw(st.lists(st.integers(1, 300), min_size=1, max_size=6))
+    query_lens = [draw(st.integers(1, min(s, cpu_attn.KERNEL_MAX_QUERY))) for s in seq_lens]
+    opts = Options(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=draw(st.sampled_from([8, 40, 64, 72, 80, 128, 256])),
+        sliding_window=draw(st.none() | st.integers(1, 64)),
+        logits_soft_cap=draw(st.none() | st.floats(2.0, 30.0)),
+        alibi_slopes=draw(st.none() | st.just([2.0 ** -(h + 1) for h in range(num_heads)])),
+        sinks=torch.randn(num_heads) if draw(st.booleans()) else None,
+    )
+    return KernelCase(
+        opts,
+        query_lens,
+        seq_lens,
+        block_size=draw(st.sampled_from([1, 3, 16, 64, 256])),
+        dtype=draw(st.sampled_from(list(TOLERANCES))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@pytest.fixture(name="kernel_calls")
+def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls of CPU_ATTN's kernel path."""
+    calls: list[int] = []
+    original = cpu_attn.CPUAttentionImpl._decode_kernel
+
+    def counted(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_attn.CPUAttentionImpl, "_decode_kernel", counted)
+    return calls
+
+
+def run_both_paths(
+    opts: Options, batch: Batch, kernel_calls: list[int], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kernel output, pure-torch output)`` of the batch, each on a copy of its cache.
+
+    Both copies have every unused slot poisoned (:func:`poison_unused_slots`).
+    """
+    poisoned = batch.kv_cache.clone()
+    poison_unused_slots(batch.metadata, poisoned, block_size)
+    outputs = []
+    for pure in (False, True):
+        impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+        kv_cache = poisoned.clone()
+        before = len(kernel_calls)
+        if pure:
+            with _cpu_kernel.pure_torch():
+                out = impl.forward(
+                    None, batch.query, batch.key, batch.value, kv_cache, batch.metadata
+                )
+            assert len(kernel_calls) == before
+        else:
+            out = impl.forward(None, batch.query, batch.key, batch.value, kv_cache, batch.metadata)
+            assert len(kernel_calls) == before + 1
+        outputs.append(out)
+    return outputs[0], outputs[1]
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Finite and within the dtype's tolerance of the float64 reference."""
+    assert bool(torch.isfinite(out).all())
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@requires_kernel
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=kernel_cases())
+def test_kernel_and_torch_path_match_reference(case: KernelCase, kernel_calls: list[int]) -> None:
+    """Both paths match the float64 reference on short queries with every option, NaN around."""
+    batch = make_batch(
+        case.opts, case.query_lens, case.seq_lens, case.block_size, case.dtype, seed=case.seed
+    )
+    expected = reference_attention(case.opts, batch)
+
+    kernel_out, torch_out = run_both_paths(case.opts, batch, kernel_calls, case.block_size)
+
+    assert_matches(kernel_out, expected, case.dtype)
+    assert_matches(torch_out, expected, case.dtype)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize(
+    ("features", "block_size"),
+    [({}, 16), ({"sliding_window": 1000}, 256), ({"sinks": True, "logits_soft_cap": 30.0}, 1)],
+    ids=["plain", "window", "sinks-softcap-block1"],
+)
+def test_long_context_single_sequence(
+    dtype: torch.dtype, features: dict[str, object], block_size: int, kernel_calls: list[int]
+) -> None:
+    """B=1 over a 32k context (split in partitions, merged by log-sum-exp) is exact."""
+    num_heads = 8
+    opts = Options(
+        num_heads=num_heads,
+        num_kv_heads=2,
+        head_size=64,
+        sliding_window=features.get("sliding_window"),  # type: ignore[arg-type]
+        logits_soft_cap=features.get("logits_soft_cap"),  # type: ignore[arg-type]
+        sinks=torch.randn(num_heads) if features.get("sinks") else None,
+    )
+    batch = make_batch(opts, [1], [32768], block_size, dtype)
+
+    kernel_out, torch_out = run_both_paths(opts, batch, kernel_calls, block_size)
+
+    expected = reference_attention(opts, batch)
+    assert_matches(kernel_out, expected, dtype)
+    assert_matches(torch_out, expected, dtype)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+def test_ragged_batch_with_chunked_decode(dtype: torch.dtype, kernel_calls: list[int]) -> None:
+    """Ragged lengths (one key, partial blocks, long and short) with 1-16 query tokens."""
+    opts = Options(num_heads=12, num_kv_heads=4, head_size=96, alibi_slopes=[0.1] * 12)
+    seq_lens = [1, 17, 4000, 33, 16, 900, 2, 1500]
+    query_lens = [1, 5, 1, 16, 16, 3, 2, 1]
+    batch = make_batch(opts, query_lens, seq_lens, 16, dtype, spare_blocks=9)
+
+    kernel_out, torch_out = run_both_paths(opts, batch, kernel_calls, 16)
+
+    expected = reference_attention(opts, batch)
+    assert_matches(kernel_out, expected, dtype)
+    assert_matches(torch_out, expected, dtype)
+
+
+@requires_kernel
+def test_padding_tokens_are_left_alone(kernel_calls: list[int]) -> None:
+    """Padded query rows (past num_actual_tokens, slot -1) are neither read nor written."""
+    opts = Options(num_heads=4, num_kv_heads=1, head_size=64)
+    batch = make_batch(opts, [1, 1], [100, 7], 16, torch.float32)
+    poison_unused_slots(batch.metadata, batch.kv_cache, 16)
+    pad = 3
+    nan_rows = torch.full((pad, 4, 64), float("nan"))
+    query = torch.cat([batch.query, nan_rows])
+    key = torch.cat([batch.key, nan_rows[:, :1]])
+    value = torch.cat([batch.value, nan_rows[:, :1]])
+    batch.metadata.slot_mapping = torch.cat(
+        [batch.metadata.slot_mapping, torch.full((pad,), -1, dtype=torch.int64)]
+    )
+    output = torch.full((2 + pad, 4 * 64), 7.0)
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+
+    impl.forward(None, query, key, value, batch.kv_cache, batch.metadata, output=output)
+
+    assert kernel_calls == [1]
+    assert_matches(output[:2], reference_attention(opts, batch), torch.float32)
+    assert bool((output[2:] == 7.0).all())
+
+
+@requires_kernel
+def test_kernel_rejects_blocks_outside_the_cache() -> None:
+    """Called directly with a block number past the cache, the op raises instead of reading."""
+    kv_cache = torch.zeros(2, 4, 16, 1, 64)
+    query = torch.zeros(1, 2, 64)
+    out = torch.empty(1, 2, 64)
+    table = torch.tensor([[0, 9]], dtype=torch.int32)
+    op = _cpu_kernel.paged_attention_op()
+
+    with pytest.raises(RuntimeError, match="outside"):
+        op(query, kv_cache, table, torch.tensor([20]), torch.tensor([0, 1]), out, 0.1, 0, 0.0)
+
+
+@requires_kernel
+def test_kernel_is_built_for_torchs_instruction_set() -> None:
+    """The loaded build targets what torch dispatches to on this CPU (never -march=native)."""
+    status = _cpu_kernel.kernel_status()
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    expected = capability if capability in ("avx2", "avx512") else "default"
+
+    assert status.isa == expected
+    assert torch.ops.attn_di.isa() == expected
+    assert status.describe() == f"compiled kernel ({expected})"
+    assert all("march" not in flag for isa in _cpu_kernel.ISAS for flag in _cpu_kernel._flags(isa))
+
+
+@requires_kernel
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_one_openmp_runtime() -> None:
+    """The kernel runs on torch's own OpenMP runtime: one libgomp in the process, not two."""
+    with open("/proc/self/maps") as maps:
+        libraries = {line.split()[-1] for line in maps if "gomp" in line.split()[-1]}
+
+    assert len(libraries) == 1, libraries
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no compiler")
+def test_kernel_is_active_where_a_compiler_exists() -> None:
+    """With a C++ compiler present (as in CI), the kernel is built and used, not skipped."""
+    status = _cpu_kernel.kernel_status()
+
+    assert status.active, status.reason
+
+
+@pytest.fixture(name="fresh_kernel_state")
+def _fresh_kernel_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget the process's kernel status for one test (restored afterwards)."""
+    monkeypatch.setattr(_cpu_kernel, "_STATUS", None)
+    monkeypatch.setattr(_cpu_kernel, "_OP", None)
+
+
+@pytest.mark.usefixtures("fresh_kernel_state")
+def test_build_failure_falls_back_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, kernel_calls: list[int]
+) -> None:
+    """A kernel that cannot be built: one KernelUnavailableWarning, then exact torch results."""
+
+    def fail() -> None:
+        raise RuntimeError("Error building extension 'attn_di_cpu' (simulated)")
+
+    monkeypatch.setattr(_cpu_kernel, "_load", fail)
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=64, sinks=torch.randn(4))
+    batch = make_batch(opts, [1, 1, 1], [40, 1, 100], 16, torch.float32)
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+
+    def forward() -> torch.Tensor:
+        return impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+        )
+
+    with pytest.warns(KernelUnavailableWarning) as record:
+        first, second = forward(), forward()
+
+    assert len(record) == 1
+    warning = record[0].message
+    assert isinstance(warning, KernelUnavailableWarning)
+    assert "simulated" in warning.reason
+    assert str(warning).startswith("CPU_ATTN's compiled kernel is unavailable (RuntimeError:")
+    assert "Hint: " in str(warning)
+    assert kernel_calls == []
+    expected = reference_attention(opts, batch)
+    assert_matches(first, expected, torch.float32)
+    torch.testing.assert_close(second, first)
+    status = _cpu_kernel.kernel_status()
+    assert not status.active
+    assert status.describe().startswith("pure torch: RuntimeError: Error building extension")
+
+
+@pytest.mark.usefixtures("fresh_kernel_state")
+def test_missing_compiler_is_named_in_the_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler on PATH (and nothing built): the warning says so and how to fix it."""
+    monkeypatch.setenv("CXX", "attn-di-no-such-compiler")
+    monkeypatch.setenv(_cpu_kernel.ENV_CACHE, os.devnull + "-absent")
+
+    with pytest.warns(KernelUnavailableWarning, match="no C.. compiler") as record:
+        status = _cpu_kernel.kernel_status()
+
+    assert not status.active
+    assert "apt-get install g++" in str(record[0].message)
+
+
+@pytest.mark.usefixtures("fresh_kernel_state")
+def test_switch_chooses_pure_torch_without_warning(
+    monkeypatch: pytest.MonkeyPatch, kernel_calls: list[int]
+) -> None:
+    """ATTN_DI_CPU_KERNEL=0 picks the pure-torch path quietly (warnings are errors here)."""
+    monkeypatch.setenv(_cpu_kernel.ENV_SWITCH, "0")
+    opts = Options(num_heads=2, num_kv_heads=1, head_size=64)
+    batch = make_batch(opts, [1], [50], 16, torch.float32)
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+
+    out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+    assert kernel_calls == []
+    assert (
+        _cpu_kernel.kernel_status().describe() == "pure torch: switched off (ATTN_DI_CPU_KERNEL=0)"
+    )
+    assert_matches(out, reference_attention(opts, batch), torch.float32)
+
+
+@pytest.mark.usefixtures("fresh_kernel_state")
+def test_switch_refuses_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value that is neither on nor off is an error naming the variable, not ignored."""
+    monkeypatch.setenv(_cpu_kernel.ENV_SWITCH, "fast")
+
+    with pytest.raises(InvalidInputError) as caught:
+        _cpu_kernel.kernel_status()
+
+    assert caught.value.argument == "ATTN_DI_CPU_KERNEL"
+    assert (
+        caught.value.hint == "set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch)"
+    )
+
+
+def test_prefills_keep_the_torch_path(kernel_calls: list[int]) -> None:
+    """A batch with a query longer than KERNEL_MAX_QUERY goes through the pure-torch path whole."""
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=64)
+    long_query = cpu_attn.KERNEL_MAX_QUERY + 1
+    batch = make_batch(opts, [long_query, 1], [long_query, 30], 16, torch.float32)
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+
+    out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+    assert kernel_calls == []
+    assert_matches(out, reference_attention(opts, batch), torch.float32)
+
+
+def test_poison_helper_leaves_written_slots() -> None:
+    """The NaN helper poisons exactly the slots no sequence covers."""
+    opts = Options(num_heads=2, num_kv_heads=1, head_size=8)
+    batch = make_batch(opts, [1, 1], [5, 20], 16, torch.float32, spare_blocks=2, fill="zero")
+
+    poison_unused_slots(batch.metadata, batch.kv_cache, 16)
+
+    poisoned = torch.isnan(batch.kv_cache[0]).any(-1).any(-1).sum()
+    total = batch.kv_cache.shape[1] * 16
+    assert int(poisoned) == total - 25
+    assert int(torch.isinf(batch.kv_cache[1]).any(-1).any(-1).sum()) == total - 25
