@@ -23,6 +23,7 @@ from attn_di.integrations.transformers._attention import AttentionFunction
 from attn_di.integrations.transformers._paged_cache import PagedCache
 from attn_di.integrations.transformers._registration import (
     ATTENTION_NAME,
+    attention_settings,
     implementation_name,
     padding_mask,
     register,
@@ -32,6 +33,7 @@ __all__ = [
     "ATTENTION_NAME",
     "AttentionFunction",
     "PagedCache",
+    "attention_settings",
     "implementation_name",
     "padding_mask",
     "register",

@@ -12,7 +12,7 @@ from attn_di._enum import AttentionBackendEnum, parse_backend_name
 from attn_di.exceptions import UnsupportedFeatureError
 from attn_di.integrations.transformers._attention import AttentionFunction
 
-__all__ = ["ATTENTION_NAME", "implementation_name", "padding_mask", "register"]
+__all__ = ["ATTENTION_NAME", "attention_settings", "implementation_name", "padding_mask", "register"]
 
 ATTENTION_NAME = "attn_di"
 """The transformers attention implementation that lets attn_di select the backend."""
@@ -106,3 +106,34 @@ def padding_mask(
     if mask.shape[-1] < end:
         mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]), value=False)
     return mask[:, kv_offset:end]
+
+
+def attention_settings(model: torch.nn.Module, *, block_size: int | None = None) -> dict[str, Any]:
+    """The selection inputs of a loaded model, for ``container.attention.from_dict(...)``.
+
+    With them, ``Provide[BackendContainer.selected]`` injects the backend class attn_di selects
+    for the model's attention layers (under the same overrides, ``force_backend`` and
+    ``ATTN_DI_BACKEND``), so an engine built around the model can be handed that backend.
+
+    Args:
+        model: a transformers model (``PreTrainedModel``).
+        block_size: the KV-cache block size in tokens (a :class:`PagedCache`'s), or None.
+
+    Returns:
+        ``{"head_size", "dtype", "block_size", "has_sink", "attn_type", "device"}``.
+    """
+    config = model.config.get_text_config(decoder=True)  # type: ignore[operator, union-attr]
+    heads = int(config.num_attention_heads)
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    parameter = next(model.parameters())
+    has_sink = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+    flags = [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    causal = all(flags) if flags else True
+    return {
+        "head_size": int(head_size),
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "block_size": block_size,
+        "has_sink": has_sink,
+        "attn_type": "decoder" if causal else "encoder_only",
+        "device": parameter.device.type,
+    }
