@@ -11,7 +11,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
 transformers = pytest.importorskip("transformers")
 

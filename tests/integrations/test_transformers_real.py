@@ -58,7 +58,13 @@ def _smollm2() -> Iterator[dict[str, Any]]:
             **batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
-    yield {"model": model, "tokenizer": tokenizer, "batch": batch, "logits": logits, "tokens": tokens}
+    yield {
+        "model": model,
+        "tokenizer": tokenizer,
+        "batch": batch,
+        "logits": logits,
+        "tokens": tokens,
+    }
     model.set_attn_implementation("eager")
 
 

@@ -96,7 +96,7 @@ def test_logits_and_greedy_tokens_match_eager(
     tiny: tuple[str, Any, dict[str, torch.Tensor]], member: str | None
 ) -> None:
     """Each supporting backend gives eager's logits (1e-5) and tokens on both kinds of cache."""
-    family, model, ref = tiny
+    _, model, ref = tiny
     model.set_attn_implementation(implementation_name(member))
     real = ref["mask"].bool()
     with torch.no_grad():

@@ -310,7 +310,7 @@ def _padding_mask(attention_mask: object, key: torch.Tensor) -> torch.Tensor | N
     return mask
 
 
-def _rows(tensor: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def _rows(tensor: torch.Tensor, index: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
     """``[B, h, q, D]`` -> ``[N, h, D]``: the real tokens (all B * q when ``index`` is None)."""
     by_token = tensor.transpose(1, 2)
     if index is None:
@@ -320,7 +320,7 @@ def _rows(tensor: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None)
 
 def _unpack(
     out: torch.Tensor,
-    index: tuple[torch.Tensor, torch.Tensor] | None,
+    index: tuple[torch.Tensor, ...] | None,
     batch: int,
     q_len: int,
     settings: tuple[int, int],
@@ -350,8 +350,9 @@ def _paged(
     metadata = step.metadata_for(backend_cls, cache.block_size)
     layer_idx = int(getattr(module, "layer_idx", 0))
     kv_cache = cache.kv_cache(layer_idx, backend_cls, key.dtype, key.device)
-    index = None if step.batch_index is None else (step.batch_index, step.column_index)
-    assert step.column_index is not None or index is None
+    index = None
+    if step.batch_index is not None and step.column_index is not None:
+        index = (step.batch_index, step.column_index)
     out = impl.forward(
         None, _rows(query, index), _rows(key, index), _rows(value, index), kv_cache, metadata
     )

@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PENDING", "PagedCache", "StepBatch", "is_attn_di_name"]
 
-PENDING: ContextVar[tuple[PagedCache, int] | None] = ContextVar("attn_di_paged_pending", default=None)
+PENDING: ContextVar[tuple[PagedCache, int] | None] = ContextVar(
+    "attn_di_paged_pending", default=None
+)
 """``(cache, layer_idx)`` of the last ``PagedCache.update`` in this thread, until the attention
 function of that layer takes it."""
 
@@ -79,7 +81,7 @@ class StepBatch:
         return metadata
 
 
-class _PagedLayer(CacheLayerMixin):
+class _PagedLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     """One decoder layer's entry in ``PagedCache.layers`` (transformers inspects these).
 
     The tensors live in the owning :class:`PagedCache`; this object only answers the
@@ -90,7 +92,7 @@ class _PagedLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, owner: PagedCache, layer_idx: int, is_sliding: bool) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.owner = owner
         self.layer_idx = layer_idx
         self.is_sliding = is_sliding
@@ -234,7 +236,7 @@ class PagedCache(Cache):
             raise InvalidInputError(
                 "cache",
                 f"PagedCache needs an attn_di attention implementation; the model uses {name!r}",
-                hint='call attn_di.integrations.transformers.register() and load the model with '
+                hint="call attn_di.integrations.transformers.register() and load the model with "
                 'attn_implementation="attn_di" (or model.set_attn_implementation("attn_di"))',
             )
         if layer_idx in self._updated or not self._updated:
@@ -451,8 +453,12 @@ class PagedCache(Cache):
 
     def _block_axis(self) -> int:
         """The axis of the cache tensor that counts blocks, found from the layout itself."""
-        one = self._layout_cls.get_kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_size)
-        two = self._layout_cls.get_kv_cache_shape(2, self.block_size, self.num_kv_heads, self.head_size)
+        one = self._layout_cls.get_kv_cache_shape(
+            1, self.block_size, self.num_kv_heads, self.head_size
+        )
+        two = self._layout_cls.get_kv_cache_shape(
+            2, self.block_size, self.num_kv_heads, self.head_size
+        )
         return next(axis for axis, (a, b) in enumerate(zip(one, two, strict=True)) if a != b)
 
     def _check_layout(self, backend_cls: Any) -> None:

@@ -12,7 +12,13 @@ from attn_di._enum import AttentionBackendEnum, parse_backend_name
 from attn_di.exceptions import UnsupportedFeatureError
 from attn_di.integrations.transformers._attention import AttentionFunction
 
-__all__ = ["ATTENTION_NAME", "attention_settings", "implementation_name", "padding_mask", "register"]
+__all__ = [
+    "ATTENTION_NAME",
+    "attention_settings",
+    "implementation_name",
+    "padding_mask",
+    "register",
+]
 
 ATTENTION_NAME = "attn_di"
 """The transformers attention implementation that lets attn_di select the backend."""
@@ -127,7 +133,9 @@ def attention_settings(model: torch.nn.Module, *, block_size: int | None = None)
     head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
     parameter = next(model.parameters())
     has_sink = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
-    flags = [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    flags = [
+        m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)
+    ]
     causal = all(flags) if flags else True
     return {
         "head_size": int(head_size),
