@@ -9,4 +9,5 @@ echo "== ruff format";       $PY -m ruff format --check src tests examples bench
 echo "== mypy --strict src"; $PY -m mypy --strict src
 echo "== mypy examples";     $PY -m mypy --strict examples/engine
                              $PY -m mypy --strict examples/tiny_llm
+                             $PY -m mypy --strict examples/smollm2
 echo "== pytest";            $PY -m pytest -q tests "$@"

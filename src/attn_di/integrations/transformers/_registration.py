@@ -1,0 +1,147 @@
+"""``register()``: attn_di's names in transformers' attention and mask registries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from attn_di._enum import AttentionBackendEnum, parse_backend_name
+from attn_di.exceptions import UnsupportedFeatureError
+from attn_di.integrations.transformers._attention import AttentionFunction
+
+__all__ = [
+    "ATTENTION_NAME",
+    "attention_settings",
+    "implementation_name",
+    "padding_mask",
+    "register",
+]
+
+ATTENTION_NAME = "attn_di"
+"""The transformers attention implementation that lets attn_di select the backend."""
+
+_FUNCTIONS: dict[AttentionBackendEnum | None, AttentionFunction] = {}
+
+
+def implementation_name(member: AttentionBackendEnum | str | None = None) -> str:
+    """The transformers ``attn_implementation`` name for a backend.
+
+    Args:
+        member: a member or its name (case-insensitive); None or ``"auto"`` for attn_di's
+            selection.
+
+    Returns:
+        ``"attn_di"``, or ``"attn_di:<MEMBER>"`` (e.g. ``"attn_di:CPU_ATTN"``).
+
+    Raises:
+        UnknownBackendError: an unknown name, with the closest suggestion.
+    """
+    parsed = parse_backend_name(member)
+    return ATTENTION_NAME if parsed is None else f"{ATTENTION_NAME}:{parsed.name.upper()}"
+
+
+def register() -> list[str]:
+    """Register ``"attn_di"`` and ``"attn_di:<MEMBER>"`` for every member with transformers.
+
+    Each name goes into ``transformers.AttentionInterface`` (the attention function) and
+    ``AttentionMaskInterface`` (:func:`padding_mask`, so padded batches keep their padding).
+    Idempotent: calling it again registers the same functions, plus any member added since
+    (``AttentionBackendEnum.register``). Names hold no lowercase ``sdpa``/``flex_attention``,
+    which would trigger transformers' own checks for its implementations of those names.
+
+    Returns:
+        The registered names, ``"attn_di"`` first.
+    """
+    names = []
+    for member in (None, *AttentionBackendEnum):
+        function = _FUNCTIONS.get(member)
+        if function is None:
+            function = _FUNCTIONS.setdefault(member, AttentionFunction(member))
+        name = implementation_name(member)
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, padding_mask)
+        names.append(name)
+    return names
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    use_vmap: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """attn_di's mask function: the ``[B, kv_length]`` bool padding mask, or None.
+
+    transformers calls it (through ``AttentionMaskInterface``) once per forward and mask
+    kind; the causal, sliding-window and bidirectional patterns are the impls' own business
+    (from the layer's settings), so only padding is passed on.
+
+    Args:
+        batch_size, q_length, q_offset: unused (the attention function reads the shapes).
+        kv_length: keys the layer will see.
+        kv_offset: the first key's column in the 2-D mask (transformers' sliding caches).
+        attention_mask: ``[B, columns]`` 1 for tokens, 0 for padding, or None.
+        use_vmap: True when the model adds its own mask functions (refused).
+
+    Returns:
+        ``attention_mask[:, kv_offset:kv_offset + kv_length]`` as bool (False past its end),
+        or None without a mask.
+
+    Raises:
+        UnsupportedFeatureError: the model combines extra mask functions
+            (``or_mask_function``/``and_mask_function``, e.g. bidirectional image blocks).
+    """
+    if use_vmap:
+        error = UnsupportedFeatureError("attn_di", "custom mask functions of the model")
+        error.hint = (
+            "attn_di's transformers integration handles causal, sliding-window, "
+            "bidirectional and padding masks; use another attn_implementation for this model"
+        )
+        raise error
+    if attention_mask is None:
+        return None
+    mask = attention_mask.to(torch.bool)
+    end = kv_offset + kv_length
+    if mask.shape[-1] < end:
+        mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]), value=False)
+    return mask[:, kv_offset:end]
+
+
+def attention_settings(model: torch.nn.Module, *, block_size: int | None = None) -> dict[str, Any]:
+    """The selection inputs of a loaded model, for ``container.attention.from_dict(...)``.
+
+    With them, ``Provide[BackendContainer.selected]`` injects the backend class attn_di selects
+    for the model's attention layers (under the same overrides, ``force_backend`` and
+    ``ATTN_DI_BACKEND``), so an engine built around the model can be handed that backend.
+
+    Args:
+        model: a transformers model (``PreTrainedModel``).
+        block_size: the KV-cache block size in tokens (a :class:`PagedCache`'s), or None.
+
+    Returns:
+        ``{"head_size", "dtype", "block_size", "has_sink", "attn_type", "device"}``.
+    """
+    config = model.config.get_text_config(decoder=True)  # type: ignore[operator, union-attr]
+    heads = int(config.num_attention_heads)
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    parameter = next(model.parameters())
+    has_sink = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+    flags = [
+        m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)
+    ]
+    causal = all(flags) if flags else True
+    return {
+        "head_size": int(head_size),
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "block_size": block_size,
+        "has_sink": has_sink,
+        "attn_type": "decoder" if causal else "encoder_only",
+        "device": parameter.device.type,
+    }

@@ -1,0 +1,152 @@
+"""PagedCache: layout, block tables, the free list, growth, limits and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
+from attn_di.integrations.transformers import PagedCache
+
+from .conftest import left_padded
+
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11]]
+
+
+@pytest.fixture(name="llama")
+def _llama() -> transformers.PreTrainedModel:
+    """A 2-layer random-weight Llama (GQA: 4 query heads, 2 KV heads of 8) on ``"attn_di"``."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("attn_di:CPU_ATTN")
+    return model
+
+
+def test_keys_live_at_their_slots_in_the_backend_layout(
+    llama: transformers.PreTrainedModel,
+) -> None:
+    """After a prefill each real token's key sits at block_table[p // bs] * bs + p % bs."""
+    ids, mask = left_padded(PROMPTS)
+    cache = PagedCache(llama.config, block_size=4, fill_value=float("nan"))
+    reference = transformers.DynamicCache()
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, cache=cache)
+        llama.set_attn_implementation("eager")
+        llama(input_ids=ids, attention_mask=mask, cache=reference)
+    assert cache.seq_lens == [3, 6]
+    assert cache.get_seq_length() == 6
+    kv_cache = cache._kv_caches[1]
+    assert tuple(kv_cache.shape) == (2, cache.num_blocks, 4, 2, 8)
+    for row, prompt in enumerate(PROMPTS):
+        pad = ids.shape[1] - len(prompt)
+        table = cache.block_tables[row]
+        assert len(table) == -(-len(prompt) // 4)
+        for position in range(len(prompt)):
+            stored = kv_cache[0, table[position // 4], position % 4]
+            expected = reference.layers[1].keys[row, :, pad + position]
+            torch.testing.assert_close(stored, expected)
+    used = {block for table in cache.block_tables for block in table}
+    assert cache.num_free_blocks == cache.num_blocks - len(used)
+
+
+def test_reset_frees_every_block(llama: transformers.PreTrainedModel) -> None:
+    """reset() returns every block to the free list and forgets the sequences."""
+    ids, mask = left_padded(PROMPTS)
+    cache = PagedCache(llama.config, block_size=2)
+    with torch.no_grad():
+        llama.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+            pad_token_id=0, cache=cache,
+        )  # fmt: skip
+    assert cache.num_free_blocks < cache.num_blocks
+    cache.reset()
+    assert cache.num_free_blocks == cache.num_blocks
+    assert cache.seq_lens == []
+    assert cache.get_seq_length() == 0
+
+
+def test_pool_grows_and_keeps_what_it_holds(llama: transformers.PreTrainedModel) -> None:
+    """With num_blocks=None the pool doubles when needed and generation still matches."""
+    ids, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        expected = llama.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0
+        )
+        cache = PagedCache(llama.config, block_size=1, fill_value=float("nan"))
+        tokens = llama.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+            pad_token_id=0, cache=cache,
+        )  # fmt: skip
+    assert cache.num_blocks > 16
+    assert tokens.tolist() == expected.tolist()
+
+
+def test_fixed_pool_that_runs_out_raises_and_changes_nothing(
+    llama: transformers.PreTrainedModel,
+) -> None:
+    """A fixed num_blocks that is too small fails with a typed error naming num_blocks."""
+    ids, mask = left_padded(PROMPTS)
+    cache = PagedCache(llama.config, block_size=2, num_blocks=3)
+    with pytest.raises(InvalidInputError, match="num_blocks") as caught, torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, cache=cache)
+    assert "num_blocks=None" in str(caught.value.hint)
+    assert cache.seq_lens == []
+    assert cache.block_tables == []
+
+
+def test_sampling_matches_eager_with_the_same_seed(llama: transformers.PreTrainedModel) -> None:
+    """Sampled generation through the paged cache equals eager's under the same seed."""
+    ids, mask = left_padded(PROMPTS)
+    options = {"max_new_tokens": 12, "do_sample": True, "top_k": 0, "pad_token_id": 0}
+    with torch.no_grad():
+        llama.set_attn_implementation("eager")
+        torch.manual_seed(1)
+        expected = llama.generate(input_ids=ids, attention_mask=mask, **options)
+        llama.set_attn_implementation("attn_di")
+        torch.manual_seed(1)
+        cache = PagedCache(llama.config, fill_value=float("nan"))
+        tokens = llama.generate(input_ids=ids, attention_mask=mask, cache=cache, **options)
+    assert tokens.tolist() == expected.tolist()
+
+
+def test_beam_search_is_refused(llama: transformers.PreTrainedModel) -> None:
+    """Beam search (which reorders rows) fails naming the unsupported operation."""
+    ids, mask = left_padded(PROMPTS)
+    with pytest.raises(UnsupportedFeatureError, match="PagedCache"), torch.no_grad():
+        llama.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False,
+            pad_token_id=0, cache=PagedCache(llama.config),
+        )  # fmt: skip
+
+
+def test_another_batch_without_reset_is_refused(llama: transformers.PreTrainedModel) -> None:
+    """A cache holding B sequences refuses a batch of another size until reset()."""
+    ids, mask = left_padded(PROMPTS)
+    cache = PagedCache(llama.config)
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, cache=cache)
+        with pytest.raises(InvalidInputError, match="reset"):
+            llama(input_ids=ids[:1, -1:], cache=cache)
+        cache.reset()
+        llama(input_ids=ids[:1], attention_mask=mask[:1], cache=cache)
+    assert cache.seq_lens == [3]
+
+
+@pytest.mark.parametrize(("option", "value"), [("block_size", 0), ("num_blocks", -1)])
+def test_bad_sizes_are_refused(
+    llama: transformers.PreTrainedModel, option: str, value: int
+) -> None:
+    """Non-positive sizes are refused by name, with an example in the hint."""
+    with pytest.raises(InvalidInputError, match=option):
+        PagedCache(llama.config, **{option: value})
+
+
+def test_repr_shows_the_pool(llama: transformers.PreTrainedModel) -> None:
+    """The repr tells layers, block size, blocks used and sequence lengths."""
+    assert repr(PagedCache(llama.config, block_size=8)) == (
+        "PagedCache(layers=2, block_size=8, blocks=0/0 used, seq_lens=[])"
+    )
