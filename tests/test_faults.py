@@ -4,6 +4,7 @@ BaseException, local overrides restored from other threads, bad paths, bad confi
 from __future__ import annotations
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -21,12 +22,14 @@ from attn_di import (
     BackendImportError,
     InvalidBackendTypeError,
     MambaAttentionBackendEnum,
+    UnknownBackendError,
     _plugins,
     load_plugins,
     parse_backend_name,
     register_backend,
     select_backend,
 )
+from attn_di.exceptions import UnexportableBackendWarning
 
 E = AttentionBackendEnum
 
@@ -229,3 +232,122 @@ def test_deeply_nested_registrations_env_is_a_typed_error() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "RegistrationsEnvError True"
+
+
+def test_containers_created_while_members_are_added() -> None:
+    """BackendContainer() and use_container() in one thread while others add members: no error."""
+    errors: list[BaseException] = []
+    prefix = f"MADE_{os.getpid()}_"
+
+    def writer(index: int) -> None:
+        try:
+            for n in range(200):
+                register_backend(f"{prefix}{index}_{n}", "a.B", is_mamba=bool(n % 2))
+        except BaseException as error:
+            errors.append(error)
+
+    def maker() -> None:
+        try:
+            for _ in range(60):
+                assert isinstance(BackendContainer(), BackendContainer)
+                with attn_di.use_container():
+                    pass
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    threads.append(threading.Thread(target=maker))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+
+
+def test_concurrent_registrations_leave_the_newest_snapshot(container: BackendContainer) -> None:
+    """With automatic propagation, the variable equals the export once all writers finish."""
+    previous = attn_di.set_auto_propagation(True)
+    try:
+        prefix = f"SNAP_{os.getpid()}_"
+        threads = [
+            threading.Thread(
+                target=lambda i=i: [
+                    register_backend(f"{prefix}{i}_{n}", "collections.OrderedDict")
+                    for n in range(40)
+                ]
+            )
+            for i in range(3)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert json.loads(os.environ["ATTN_DI_REGISTRATIONS"]) == container.export_registrations()
+    finally:
+        attn_di.set_auto_propagation(previous)
+
+
+def test_a_rolled_back_plugin_rewrites_the_snapshot(
+    plugins: Callable[[list[str]], str], container: BackendContainer
+) -> None:
+    """With automatic propagation, the variable follows a failed plugin's rollback."""
+    previous = attn_di.set_auto_propagation(True)
+    try:
+        register_backend(E.FLASH_ATTN, "collections.Counter")
+        plugins(["exits"])
+        load_plugins()
+        assert json.loads(os.environ["ATTN_DI_REGISTRATIONS"]) == {
+            "FLASH_ATTN": "collections.Counter"
+        }
+    finally:
+        attn_di.set_auto_propagation(previous)
+
+
+def test_a_snapshot_too_large_for_the_environment_is_not_written(
+    container: BackendContainer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the limit, the variable is removed with one warning (subprocesses still start)."""
+    from attn_di import _propagation
+
+    monkeypatch.setattr(_propagation, "AUTO_LIMIT", 60)
+    monkeypatch.setattr(_propagation, "_warned_too_large", [])
+    previous = attn_di.set_auto_propagation(True)
+    try:
+        register_backend(E.FLASH_ATTN, "collections.Counter")
+        assert "ATTN_DI_REGISTRATIONS" in os.environ
+        with pytest.warns(UnexportableBackendWarning, match="over 60"):
+            register_backend(E.CUSTOM, "collections.OrderedDict")
+        assert "ATTN_DI_REGISTRATIONS" not in os.environ
+        assert subprocess.run(["true"], check=False).returncode == 0
+    finally:
+        attn_di.set_auto_propagation(previous)
+
+
+def test_unknown_attn_di_backend_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unknown name in ATTN_DI_BACKEND: the hint names the variable and suggests the name."""
+    monkeypatch.setenv("ATTN_DI_BACKEND", "torch_spda")
+    with pytest.raises(UnknownBackendError) as caught:
+        select_backend({"head_size": 64, "dtype": "float32"}, device="cpu")
+    assert "ATTN_DI_BACKEND='torch_spda'" in str(caught.value.hint)
+    assert "did you mean 'TORCH_SDPA'?" in str(caught.value.hint)
+
+
+def test_select_backend_takes_device_and_backend_from_a_mapping() -> None:
+    """The keys container.attention takes (device, backend) work in a mapping too."""
+    selection = select_backend(
+        {"head_size": 64, "dtype": "bf16", "device": "cpu", "backend": "torch-sdpa"}
+    )
+    assert selection.backend is E.TORCH_SDPA
+
+
+def test_a_dtype_prefix_suggests_its_only_completion() -> None:
+    """'bfloat' suggests bfloat16 (spelling distance alone would say float32)."""
+    with pytest.raises(ValueError, match="unknown dtype") as caught:
+        select_backend({"head_size": 64, "dtype": "bfloat"}, device="cpu")
+    assert caught.value.hint == "did you mean 'bfloat16'?"  # type: ignore[attr-defined]
+
+
+def test_a_snapshot_key_with_an_empty_family_is_refused() -> None:
+    """':CUSTOM' is neither an attention name nor a family's: refused, nothing applied."""
+    with pytest.raises(ValueError, match="unknown family"):
+        BackendContainer().apply_registrations({":CUSTOM": "a.B"})

@@ -159,7 +159,7 @@ def test_malformed_variable_fails_at_import(value: str, reason: str) -> None:
         result.stderr
     )
     assert reason in result.stderr
-    assert "Hint: ATTN_DI_REGISTRATIONS is written by attn_di.propagate_registrations()" in (
+    assert "Hint: ATTN_DI_REGISTRATIONS is written by attn_di in the parent process" in (
         result.stderr
     )
 

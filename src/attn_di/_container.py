@@ -12,7 +12,6 @@ Mamba names). The process-wide default container lives in :mod:`attn_di._default
 from __future__ import annotations
 
 import itertools
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -25,7 +24,12 @@ from attn_di._family import BackendEnum, BackendFamily, family_of, on_new_member
 from attn_di._overrides import BackendOverride, ContainerOverride, override_target
 from attn_di._paths import check_class_path, resolves_to
 from attn_di._provider import BackendProvider, Layer, Target
-from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK, notify_registrations_changed
+from attn_di._state import (
+    LOCAL_LAYERS,
+    REGISTRY_LOCK,
+    notify_registrations_changed,
+    user_stacklevel,
+)
 from attn_di.exceptions import (
     InvalidBackendNameError,
     InvalidBackendTypeError,
@@ -247,8 +251,8 @@ class _ContainerAPI:
             if not isinstance(class_path, str):
                 raise InvalidBackendTypeError(f"snapshot[{key!r}]", class_path, "a class path")
             check_class_path(class_path)
-            prefix, _, name = key.rpartition(":")
-            container = by_prefix.get(f"{prefix}:" if prefix else "")
+            prefix, colon, name = key.rpartition(":")
+            container = by_prefix.get(f"{prefix}:" if colon else "")
             if container is None:
                 raise InvalidBackendNameError(
                     key, f"unknown family {prefix!r}; known: {sorted(by_prefix)}"
@@ -472,6 +476,12 @@ else:
 
 
 class _BackendContainerMeta(_DeclarativeMeta):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # dependency-injector copies the class's providers: not while a runtime member is
+        # being added to them by another thread.
+        with REGISTRY_LOCK:
+            return super().__call__(*args, **kwargs)
+
     def __instancecheck__(self, instance: object) -> bool:
         # ``BackendContainer()`` returns a copy of another type: make isinstance() say yes.
         expected = _INSTANCE_TYPES.get(self)
@@ -638,17 +648,8 @@ def _warn_unexportable(name: str, class_path: str, reason: str) -> None:
         f"the registration of {name} ({class_path}) is not propagated to worker processes: "
         f"the class {reason}; define it at module level or register it by dotted path",
         UnexportableBackendWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside attn_di (the user's call)."""
-    package = __file__.rpartition("/")[0]
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _identity(obj: _C) -> _C:

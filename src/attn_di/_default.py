@@ -144,7 +144,9 @@ def register_backend(
             "is_mamba",
             is_mamba,
             "True or False",
-            hint="pass the container by keyword: register_backend(..., container=container)",
+            hint="pass the container by keyword: register_backend(..., container=container)"
+            if isinstance(is_mamba, _container.BackendContainer)
+            else "is_mamba=True names a MambaAttentionBackendEnum member by string",
         )
     target = container if container is not None else get_container()
     if class_path is None:

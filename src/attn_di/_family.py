@@ -23,7 +23,7 @@ from enum import Enum, EnumMeta
 from typing import Any, TypeVar, cast
 
 from attn_di._paths import check_class_path
-from attn_di._state import DEFAULT, LOCAL_LAYERS, REGISTRY_LOCK
+from attn_di._state import DEFAULT, LOCAL_LAYERS, REGISTRY_LOCK, user_stacklevel
 from attn_di.exceptions import (
     AttnDIWarning,
     InvalidBackendNameError,
@@ -289,7 +289,7 @@ class BackendFamily:
             warnings.warn(
                 f"new {self.label} {name!r} differs from {same[0]!r} only by case",
                 AttnDIWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         return member
 

@@ -31,7 +31,7 @@ from attn_di._default import get_container
 from attn_di._family import BackendEnum, families
 from attn_di._propagation import PLUGINS_ENV
 from attn_di._provider import BackendProvider, Layer, Target
-from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK
+from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK, notify_registrations_changed
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -318,3 +318,4 @@ def _roll_back(
             if layer not in local_before:
                 layer.alive = False
     LOCAL_LAYERS.set(local_before)
+    notify_registrations_changed(container)  # the environment snapshot too

@@ -40,18 +40,20 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from attn_di._container import BackendContainer
 from attn_di._default import get_container
-from attn_di._state import DEFAULT, on_registrations_changed
+from attn_di._state import DEFAULT, REGISTRY_LOCK, on_registrations_changed, user_stacklevel
 from attn_di.exceptions import (
     AttnDIError,
     InvalidBackendTypeError,
     RegistrationsEnvError,
     UnexportableBackendError,
+    UnexportableBackendWarning,
 )
 
 if TYPE_CHECKING:
@@ -82,6 +84,10 @@ AUTO_ENV = "ATTN_DI_AUTO_PROPAGATE"
 off."""
 
 _auto = [os.environ.get(AUTO_ENV, "1").strip().lower() not in ("0", "false", "off", "no")]
+AUTO_LIMIT = 100_000
+"""The largest snapshot (in bytes) automatic propagation writes: Linux refuses to start a
+process whose environment holds a variable over 128 KiB."""
+_warned_too_large: list[bool] = []
 
 
 def set_auto_propagation(enabled: bool) -> bool:
@@ -310,11 +316,25 @@ def _refresh(container: object) -> None:
     default = DEFAULT.current
     if default is None or (container is not None and container is not default):
         return
-    snapshot = default.export_registrations(strict=False)
-    if snapshot:
-        os.environ[REGISTRATIONS_ENV] = encode_snapshot(snapshot)
-    else:
-        os.environ.pop(REGISTRATIONS_ENV, None)
+    with REGISTRY_LOCK:  # export and write together: the last writer has the newest state
+        snapshot = default.export_registrations(strict=False)
+        encoded = encode_snapshot(snapshot) if snapshot else ""
+        if len(encoded) > AUTO_LIMIT:
+            # Past the OS limit on one variable, every subprocess would fail to start.
+            os.environ.pop(REGISTRATIONS_ENV, None)
+            if not _warned_too_large:
+                _warned_too_large.append(True)
+                warnings.warn(
+                    f"{REGISTRATIONS_ENV} would hold {len(encoded)} bytes of registrations "
+                    f"(over {AUTO_LIMIT}): worker processes no longer inherit them; hand "
+                    "workers export_registrations() yourself (a pool initializer)",
+                    UnexportableBackendWarning,
+                    stacklevel=user_stacklevel(),
+                )
+        elif encoded:
+            os.environ[REGISTRATIONS_ENV] = encoded
+        else:
+            os.environ.pop(REGISTRATIONS_ENV, None)
 
 
 on_registrations_changed(_refresh)

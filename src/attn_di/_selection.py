@@ -71,16 +71,24 @@ def canonical_dtype(dtype: object) -> str:
     """The canonical name of a dtype given as a torch dtype or a name ("bf16", "torch.half").
 
     Raises:
-        InvalidInputError: an unknown dtype (a ValueError), listing the valid names.
+        InvalidInputError: an unknown dtype (a ValueError), listing the valid names and
+            suggesting one: the only name it is a prefix of (``bfloat`` -> ``bfloat16``, where
+            spelling distance alone would say ``float32``), else the closest spelling.
     """
     text = str(dtype).strip().lower().removeprefix("torch.")
     if text in _DTYPES:
         return _DTYPES[text]
+    names = sorted(set(_DTYPES.values()))
+    by_prefix = {_DTYPES[alias] for alias in _DTYPES if text and alias.startswith(text)}
     close = closest_name(text, _DTYPES)
+    if len(by_prefix) == 1:
+        suggestion: str | None = by_prefix.pop()
+    else:
+        suggestion = _DTYPES[close.lower()] if close else None
     raise InvalidInputError(
         "dtype",
-        f"unknown dtype {dtype!r}; valid: {', '.join(sorted(set(_DTYPES.values())))}",
-        hint=f"did you mean {_DTYPES[close.lower()]!r}?" if close else "e.g. 'bfloat16'",
+        f"unknown dtype {dtype!r}; valid: {', '.join(names)}",
+        hint=f"did you mean {suggestion!r}?" if suggestion else "e.g. 'bfloat16'",
     )
 
 
@@ -263,7 +271,8 @@ def select_backend(
 
     Args:
         config: what the layer needs: an :class:`AttentionSelectorConfig`, or a mapping of its
-            fields (``{"head_size": 128, "dtype": "bfloat16"}``).
+            fields (``{"head_size": 128, "dtype": "bfloat16"}``, optionally with ``device`` and
+            ``backend``, which the keyword arguments override).
         device: "cpu", "cuda", "cuda:9.0", "rocm"; None detects it through torch.
         backend: an explicit choice (member or name, case-insensitive); None/"auto" = not set.
         container: where candidates are resolved; the default container if None.
@@ -279,7 +288,15 @@ def select_backend(
         InvalidBackendTypeError: ``config`` is neither a config nor a mapping.
     """
     if not isinstance(config, AttentionSelectorConfig):
-        config = _config_from(config)
+        if isinstance(config, Mapping):  # the keys container.attention takes, too
+            values = dict(config)
+            device = device if device is not None else values.pop("device", None)
+            backend = backend if backend is not None else values.pop("backend", None)
+            values.pop("device", None)
+            values.pop("backend", None)
+            config = _config_from(values, extra_keys=("device", "backend"))
+        else:
+            config = _config_from(config)
     target = container if container is not None else _state.DEFAULT.get()
     parsed_device = parse_device(device)
     requested, origin = _requested(backend)
@@ -376,6 +393,10 @@ def _requested(
             from_env = parse_backend_name(env)
         except AttnDIError as exc:
             exc.add_note(f"(read from the environment variable {ENV_BACKEND}={env!r})")
+            exc.hint = (
+                f"the name comes from the environment variable {ENV_BACKEND}={env!r}: fix or "
+                f"unset it" + (f"; {exc.hint}" if exc.hint else "")
+            )
             raise
         if from_env is not None:
             return from_env, ENV_BACKEND

@@ -8,6 +8,7 @@ run one way: names -> providers -> container -> selection -> default container -
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -21,6 +22,7 @@ __all__ = [
     "DefaultCell",
     "notify_registrations_changed",
     "on_registrations_changed",
+    "user_stacklevel",
 ]
 
 REGISTRY_LOCK = threading.RLock()
@@ -65,3 +67,12 @@ def notify_registrations_changed(container: Any) -> None:
     """Tell the listeners of :func:`on_registrations_changed` (called outside the lock)."""
     for listener in list(_listeners):
         listener(container)
+
+
+def user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel of the first frame outside attn_di (the user's call)."""
+    package = __file__.rpartition("/")[0]
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

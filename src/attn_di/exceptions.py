@@ -342,8 +342,9 @@ class RegistrationsEnvError(AttnDIError, ValueError):
         self.value = value
         self.reason = reason
         self.hint = (
-            f"{variable} is written by attn_di.propagate_registrations() or "
-            f"attn_di.ray_runtime_env() in the parent process; unset it, or write it with them"
+            f"{variable} is written by attn_di in the parent process (automatically on every "
+            f"registration, or by propagate_registrations() / ray_runtime_env()); unset it, "
+            f"or let attn_di write it"
         )
 
     def message(self) -> str:

@@ -556,3 +556,44 @@ def test_list_shows_cpu_attn_decode_path(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("ATTN_DI_CPU_KERNEL", "0")
     table = attn_di("list")
     assert "CPU_ATTN decode: pure torch: switched off (ATTN_DI_CPU_KERNEL=0)" in table.stdout
+
+
+def test_threads_has_an_upper_bound() -> None:
+    """--threads far past the machine's CPUs is refused (torch itself can crash on it)."""
+    result = attn_di("run", "--threads", "100000", "--batch", "1", "--context", "16")
+    assert result.returncode == 2
+    error, hint = error_and_hint(result)
+    assert error.startswith("--threads: must be at most ")
+    assert hint == f"e.g. --threads {os.cpu_count()}"
+
+
+def test_register_finds_modules_in_the_current_directory(tmp_path: Path) -> None:
+    """--register NAME=pkg.mod:Class finds pkg in the current directory, as --import does;
+    mamba:NAME registers a Mamba backend."""
+    tmp_path.joinpath("my_local_backends.py").write_text("class Local:\n    pass\n")
+    script = shutil.which("attn-di", path=str(Path(sys.executable).parent))
+    assert script is not None
+    result = subprocess.run(
+        [script, "--register", "LOCAL_ATTN=my_local_backends:Local",
+         "--register", "mamba:LOCAL_SSM=my_local_backends:Local", "list", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    attention = {record["name"]: record for record in listing["members"]}
+    mamba = {record["name"]: record for record in listing["mamba_members"]}
+    assert attention["LOCAL_ATTN"]["imports"] is True
+    assert mamba["LOCAL_SSM"]["imports"] is True
+    assert "LOCAL_SSM" not in attention
+
+
+def test_attention_free_backend_from_the_environment_names_the_variable() -> None:
+    """ATTN_DI_BACKEND=no_attention: the refusal names the variable, not --backend."""
+    result = attn_di("run", ATTN_DI_BACKEND="no_attention")
+    assert result.returncode == 2
+    error, hint = error_and_hint(result)
+    assert error.startswith("ATTN_DI_BACKEND='no_attention': NO_ATTENTION is attention-free")
+    assert (
+        hint
+        == "unset ATTN_DI_BACKEND or set it to a computing backend, e.g. ATTN_DI_BACKEND=CPU_ATTN"
+    )

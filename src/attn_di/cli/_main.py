@@ -256,8 +256,8 @@ def _import_modules(modules: Sequence[str]) -> None:
     """``--import``: import each module (its registrations apply), the current directory first."""
     import importlib
 
-    if modules and os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    if modules:
+        _add_cwd_to_path()
     for module in modules:
         try:
             importlib.import_module(module)
@@ -270,10 +270,19 @@ def _import_modules(modules: Sequence[str]) -> None:
             ) from exc
 
 
+def _add_cwd_to_path() -> None:
+    """Find modules from the current directory, as ``python -m`` does."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def _register(specs: Sequence[str]) -> None:
-    """``--register NAME=PATH``: register each path (lazily) in the default container."""
+    """``--register NAME=PATH`` (``mamba:NAME=PATH`` for a Mamba backend): register each path
+    (lazily, found from the current directory too) in the default container."""
     from attn_di import register_backend
 
+    if specs:
+        _add_cwd_to_path()
     for spec in specs:
         name, sep, class_path = spec.partition("=")
         if not sep or not name.strip() or not class_path.strip():
@@ -282,8 +291,16 @@ def _register(specs: Sequence[str]) -> None:
                 f"expected NAME=pkg.module:Class, got {spec!r}",
                 hint="e.g. --register MY_ATTN=my_pkg.attention:MyBackend",
             )
+        family, colon, member = name.strip().rpartition(":")
+        is_mamba = colon == ":" and family == "mamba"
+        if colon and not is_mamba:
+            raise InvalidInputError(
+                "--register",
+                f"{spec}: unknown family {family!r} (only 'mamba:' prefixes a name)",
+                hint="e.g. --register mamba:MY_SSM=my_pkg.ssm:MySSMBackend",
+            )
         try:
-            register_backend(name.strip(), class_path.strip())
+            register_backend(member, class_path.strip(), is_mamba=is_mamba)
         except AttnDIError as exc:
             raise InvalidInputError("--register", f"{spec}: {exc.message()}", exc.hint) from exc
 
@@ -311,23 +328,15 @@ def _check_backend_names(args: argparse.Namespace) -> None:
 
 
 def _canonical_dtype(text: str) -> str:
-    """``--dtype`` as a canonical name; an unknown one is refused with the closest suggestion.
-
-    A prefix of exactly one name suggests that name (``bfloat`` -> ``bfloat16``, where
-    spelling distance alone suggests ``float32``); otherwise the closest spelling does.
-    """
+    """``--dtype`` as a canonical name; an unknown one is refused with a suggestion
+    (:func:`attn_di._selection.canonical_dtype`)."""
     from attn_di._selection import canonical_dtype
 
     try:
         return canonical_dtype(text)
     except InvalidInputError as exc:
-        wanted = text.strip().lower()
-        names = ("float32", "bfloat16", "float16")
-        by_prefix = [name for name in names if wanted and name.startswith(wanted)]
         exc.argument = "--dtype"
-        if len(by_prefix) == 1:
-            exc.hint = f"did you mean {by_prefix[0]!r}?"
-        elif not exc.hint or not exc.hint.startswith("did you mean"):
+        if not exc.hint or not exc.hint.startswith("did you mean"):
             exc.hint = f"e.g. --dtype {RUN_DEFAULTS['dtype']}"
         raise
 

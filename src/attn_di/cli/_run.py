@@ -14,6 +14,7 @@ per second (query tokens / median) and effective GB/s (bytes of K and V read / m
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,7 +23,12 @@ from typing import Any
 from attn_di._default import get_container
 from attn_di._device import parse_device
 from attn_di._enum import AttentionBackendEnum, parse_backend_name
-from attn_di._selection import AttentionSelectorConfig, canonical_dtype, select_backend
+from attn_di._selection import (
+    ENV_BACKEND,
+    AttentionSelectorConfig,
+    canonical_dtype,
+    select_backend,
+)
 from attn_di.cli._main import RUN_DEFAULTS
 from attn_di.cli._output import print_json, print_table
 from attn_di.exceptions import AttnDIError, BackendRejectedError, InvalidInputError
@@ -99,6 +105,14 @@ def _check_sizes(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads <= 0:
         raise InvalidInputError(
             "--threads", f"must be positive, got {args.threads}", hint="e.g. --threads 1"
+        )
+    most = 4 * (os.cpu_count() or 1)
+    if args.threads is not None and args.threads > most:
+        raise InvalidInputError(
+            "--threads",
+            f"must be at most {most} (4 x this machine's {os.cpu_count()} CPUs), "
+            f"got {args.threads}",
+            hint=f"e.g. --threads {os.cpu_count() or 1}",
         )
     if args.heads % args.kv_heads:
         raise InvalidInputError(
@@ -264,11 +278,15 @@ def _backends(
     if requested.strip().lower() != "all":
         selection = select_backend(config, device="cpu", backend=parse_backend_name(requested))
         if _attention_free(selection.backend_cls, config):
+            from_env = selection.origin == ENV_BACKEND
             raise InvalidInputError(
-                "--backend",
+                f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND, '')!r}" if from_env else "--backend",
                 f"{selection.backend.name} is attention-free: an empty KV cache and nothing to "
                 "compute or check",
-                hint="run a computing backend, e.g. --backend CPU_ATTN, or --backend all",
+                hint=f"unset {ENV_BACKEND} or set it to a computing backend, e.g. "
+                f"{ENV_BACKEND}=CPU_ATTN"
+                if from_env
+                else "run a computing backend, e.g. --backend CPU_ATTN, or --backend all",
             )
         return [selection.backend], {}
     members, skipped = [], {}
