@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import torch.nn.functional as F  # noqa: N812
 from rich.console import Console
 from rich.table import Table
 
+from _machine import cpu_flags, cpu_model
 from attn_di.backend import AttentionBackend, AttentionMetadataBuilder
 from attn_di.backends.cpu_attn import CPUAttentionBackend
 from attn_di.backends.flex_attention import FlexAttentionBackend
@@ -51,18 +51,6 @@ def median_ms(contenders: dict[str, Callable[[], object]], rounds: int) -> dict[
             fn()
             times[label].append(time.perf_counter() - start)
     return {label: statistics.median(samples) * 1e3 for label, samples in times.items()}
-
-
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo (or platform's guess)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run(dtype: torch.dtype, rounds: int) -> dict[str, float]:
@@ -111,7 +99,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     console = Console(width=170)
     console.print(
-        f"CPU: {cpu_model()} | cores: {os.cpu_count()} | torch threads: "
+        f"CPU: {cpu_model()} | flags: {cpu_flags()} | cores: {os.cpu_count()} | torch threads: "
         f"{torch.get_num_threads()} | torch {torch.__version__} | "
         f"load average before: {os.getloadavg()[0]:.2f}"
     )

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from _machine import cpu_flags, cpu_model
 from attn_di.backend import AttentionMetadataBuilder
 from attn_di.backends import _cpu_kernel
 from attn_di.backends.cpu_attn import CPUAttentionImpl
@@ -46,32 +46,6 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "spec": (8, 2048, 4, 4),
     "mixed": (8, 2048, 128, 1),
 }
-
-
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo (or platform's guess)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_flags() -> str:
-    """The vector extensions this CPU reports (avx2, avx512f, ...)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16")
-                    return " ".join(flag for flag in flags if flag in wanted)
-    except OSError:
-        pass
-    return "?"
 
 
 def medians(contenders: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

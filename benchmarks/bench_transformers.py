@@ -20,9 +20,7 @@ import argparse
 import importlib.util
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,10 +29,8 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch
 import transformers
 
+from _machine import cpu_flags, cpu_model  # beside this script (the script's folder is on sys.path)
 from attn_di.integrations.transformers import PagedCache, implementation_name, register
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_backends import cpu_model
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MEMBERS = ["CPU_ATTN", "TORCH_SDPA", "FLEX_ATTENTION"]
@@ -101,7 +97,8 @@ def main() -> None:
     decode: dict[str, list[float]] = {name: [] for name in contenders}
     tokens: dict[str, torch.Tensor] = {}
     print(
-        f"CPU: {cpu_model()} | ISA: {torch.backends.cpu.get_cpu_capability()} | cores: "
+        f"CPU: {cpu_model()} | flags: {cpu_flags()} | "
+        f"ISA: {torch.backends.cpu.get_cpu_capability()} | cores: "
         f"{os.cpu_count()} | torch threads: {torch.get_num_threads()} | torch "
         f"{torch.__version__} | transformers {transformers.__version__} | load average "
         f"before: {os.getloadavg()[0]:.2f}"
