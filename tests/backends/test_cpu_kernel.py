@@ -9,9 +9,11 @@ sequence's block or a spare block, fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -388,3 +390,41 @@ def test_poison_helper_leaves_written_slots() -> None:
     total = batch.kv_cache.shape[1] * 16
     assert int(poisoned) == total - 25
     assert int(torch.isinf(batch.kv_cache[1]).any(-1).any(-1).sum()) == total - 25
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_one_impl_shared_by_threads_matches_one_thread(path: str) -> None:
+    """Four threads forwarding different batches through one impl get the one-thread results."""
+    if path == "kernel" and not _cpu_kernel.kernel_status().active:
+        pytest.skip(f"CPU_ATTN's kernel: {_cpu_kernel.kernel_status().describe()}")
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=64, sinks=torch.randn(4))
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+    # Prefills (the grouped path) and pure decode, of different sizes: every workspace user.
+    shapes = [([40, 1], [40, 300]), ([1, 1, 1], [700, 90, 5]), ([33], [33]), ([1], [2000])]
+    batches = [make_batch(opts, q, s, 16, torch.float32, seed=i) for i, (q, s) in enumerate(shapes)]
+
+    def forward(batch: Batch) -> torch.Tensor:
+        return impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache.clone(), batch.metadata
+        )
+
+    with _cpu_kernel.pure_torch() if path == "torch" else contextlib.nullcontext():
+        expected = [forward(batch) for batch in batches]
+        barrier = threading.Barrier(len(batches))
+        results: list[list[torch.Tensor]] = [[] for _ in batches]
+
+        def worker(index: int) -> None:
+            barrier.wait()
+            for _ in range(15):
+                results[index].append(forward(batches[index]))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(batches))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    for outs, want in zip(results, expected, strict=True):
+        assert len(outs) == 15
+        for out in outs:
+            torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
