@@ -428,3 +428,26 @@ def test_one_impl_shared_by_threads_matches_one_thread(path: str) -> None:
         assert len(outs) == 15
         for out in outs:
             torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
+@requires_kernel
+def test_sinks_updated_in_place_reach_the_kernel(kernel_calls: list[int]) -> None:
+    """bf16 sinks changed in place after a first call (as load_state_dict does) are used."""
+    sinks = torch.zeros(4, dtype=torch.bfloat16)
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=64, sinks=sinks)
+    batch = make_batch(opts, [1, 3], [60, 20], 16, torch.bfloat16)
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+    assert impl.sinks is sinks
+    impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache.clone(), batch.metadata)
+
+    sinks.fill_(5.0)
+    kernel_out, torch_out = run_both_paths(opts, batch, kernel_calls, 16)
+    # run_both_paths makes new impls: also the first impl, whose options are cached.
+    again = impl.forward(
+        None, batch.query, batch.key, batch.value, batch.kv_cache.clone(), batch.metadata
+    )
+
+    expected = reference_attention(opts, batch)
+    assert_matches(torch_out, expected, torch.bfloat16)
+    assert_matches(kernel_out, expected, torch.bfloat16)
+    assert_matches(again, expected, torch.bfloat16)

@@ -133,7 +133,9 @@ class CPUAttentionImpl(GroupedAttentionImpl):
 
         ``kernel`` is ``torch.ops.attn_di.paged_attention``; it reads only the slots of
         positions each query may see, so garbage elsewhere in the cache never reaches
-        ``rows``. The layer options are converted once per impl.
+        ``rows``. The fixed layer options are converted once per impl; the sinks are passed
+        as they are on every call (the kernel reads them as float32), so in-place updates
+        (``load_state_dict``, ``sinks.fill_``) reach it.
         """
         if self._kernel_options is None:
             alibi = self.alibi_slopes
@@ -142,7 +144,6 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 self.sliding_window or 0,
                 self.logits_soft_cap or 0.0,
                 None if alibi is None else torch.tensor(alibi, dtype=torch.float32),
-                None if self.sinks is None else self.sinks.detach().float().contiguous(),
             )
         kernel(
             query,
@@ -152,6 +153,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             metadata.query_start_loc,
             rows,
             *self._kernel_options,
+            None if self.sinks is None else self.sinks.detach(),
         )
 
     def _decode_flash(
