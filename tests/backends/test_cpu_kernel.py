@@ -451,3 +451,24 @@ def test_sinks_updated_in_place_reach_the_kernel(kernel_calls: list[int]) -> Non
     assert_matches(torch_out, expected, torch.bfloat16)
     assert_matches(kernel_out, expected, torch.bfloat16)
     assert_matches(again, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_strided_output_is_filled(path: str) -> None:
+    """A non-contiguous ``output=`` (every other column) gets the result on both paths."""
+    if path == "kernel" and not _cpu_kernel.kernel_status().active:
+        pytest.skip(f"CPU_ATTN's kernel: {_cpu_kernel.kernel_status().describe()}")
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=64)
+    batch = make_batch(opts, [1, 2], [50, 9], 16, torch.float32)
+    storage = torch.full((3, 2 * 4 * 64), 7.0)
+    output = storage[:, ::2]
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+
+    with _cpu_kernel.pure_torch() if path == "torch" else contextlib.nullcontext():
+        result = impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, output
+        )
+
+    assert result is output
+    assert_matches(output, reference_attention(opts, batch), torch.float32)
+    assert bool((storage[:, 1::2] == 7.0).all())

@@ -145,16 +145,21 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 self.logits_soft_cap or 0.0,
                 None if alibi is None else torch.tensor(alibi, dtype=torch.float32),
             )
+        # The kernel writes rows whose last dimension is contiguous; any other ``output=``
+        # gets a contiguous copy (padding rows kept as they were), copied back after.
+        target = rows if rows.stride(-1) == 1 else rows.contiguous()
         kernel(
             query,
             kv_cache,
             metadata.block_table,
             metadata.seq_lens,
             metadata.query_start_loc,
-            rows,
+            target,
             *self._kernel_options,
             None if self.sinks is None else self.sinks.detach(),
         )
+        if target is not rows:
+            rows.copy_(target)
 
     def _decode_flash(
         self,
