@@ -10,11 +10,14 @@ sequence's block or a spare block, fails.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -472,3 +475,142 @@ def test_strided_output_is_filled(path: str) -> None:
     assert result is output
     assert_matches(output, reference_attention(opts, batch), torch.float32)
     assert bool((storage[:, 1::2] == 7.0).all())
+
+
+def _copy_of_this_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """``(build directory, library)``: this CPU's build, copied into a new cache in tmp_path."""
+    status = _cpu_kernel.kernel_status()
+    if not status.active or status.library is None:
+        pytest.skip(f"CPU_ATTN's kernel: {status.describe()}")
+    source = Path(status.library).parent
+    monkeypatch.setenv(_cpu_kernel.ENV_CACHE, str(tmp_path / "cache"))
+    directory = tmp_path / "cache" / source.name
+    shutil.copytree(source, directory)
+    return directory, directory / Path(status.library).name
+
+
+def _damage(library: Path, how: str) -> None:
+    """Truncate the library to half, or overwrite its middle with garbage (same size)."""
+    data = library.read_bytes()
+    if how == "truncated":
+        library.write_bytes(data[: len(data) // 2])
+    else:
+        middle = len(data) // 2
+        library.write_bytes(data[:middle] + b"\xff" * 4096 + data[middle + 4096 :])
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_damaged_build_without_compiler_falls_back_naming_it(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged cached library is never loaded: without a compiler, one warning names it."""
+    directory, library = _copy_of_this_build(tmp_path, monkeypatch)
+    _damage(library, how)
+    env = {**os.environ, "CXX": "attn-di-no-such-compiler", "PYTHONWARNINGS": "default"}
+    env.pop(_cpu_kernel.ENV_SWITCH, None)
+
+    done = subprocess.run(
+        [sys.executable, "-m", "attn_di.backends._cpu_kernel", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert done.returncode == 0, done.stderr  # a dlopen of the truncated file: SIGBUS
+    assert done.stdout.startswith("CPU_ATTN decode: pure torch: CPU_ATTN's kernel in ")
+    assert f"in {directory} is damaged" in done.stdout
+    assert done.stderr.count("KernelUnavailableWarning") == 1
+    assert f"delete {directory}" in done.stderr
+    assert "build --force" in done.stderr
+
+
+@pytest.fixture(name="fake_compile")
+def _fake_compile(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Replaces the compiler with one that writes a small file; lists the libraries built."""
+    from torch.utils import cpp_extension
+
+    built: list[Path] = []
+
+    def load(*, name: str, build_directory: str, **kwargs: object) -> str:
+        library = Path(build_directory) / f"{name}.so"
+        library.write_bytes(b"rebuilt %d" % len(built))
+        built.append(library)
+        return str(library)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setenv("CXX", sys.executable)  # a compiler "on PATH"
+    return built
+
+
+def test_damaged_build_is_rebuilt_and_force_rebuilds(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fake_compile: list[Path],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A damaged build is rebuilt (announced at WARNING); a good one is reused; force rebuilds."""
+    directory, library = _copy_of_this_build(tmp_path, monkeypatch)
+    isa = _cpu_kernel._native_isa()
+    assert _cpu_kernel.build(isa) == library
+    assert fake_compile == []  # the copied build verifies
+    _damage(library, "truncated")
+
+    with caplog.at_level(logging.WARNING, logger="attn_di.backends"):
+        assert _cpu_kernel.build(isa) == library
+
+    assert fake_compile == [library]
+    assert library.read_bytes() == b"rebuilt 0"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"building CPU_ATTN's kernel once (~20 s) into {directory}"
+    ]
+    assert caplog.records[0].levelno == logging.WARNING
+    assert _cpu_kernel.build(isa) == library
+    assert len(fake_compile) == 1
+    assert _cpu_kernel.build(isa, force=True) == library
+    assert library.read_bytes() == b"rebuilt 1"
+
+
+@pytest.mark.usefixtures("fresh_kernel_state", "fake_compile")
+def test_unusable_cache_directory_is_named_in_the_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ATTN_DI_KERNEL_CACHE naming a file: the fallback warning names the variable and path."""
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    monkeypatch.setenv(_cpu_kernel.ENV_CACHE, str(not_a_directory))
+
+    with pytest.warns(KernelUnavailableWarning) as record:
+        status = _cpu_kernel.kernel_status()
+
+    assert not status.active
+    warning = record[0].message
+    assert isinstance(warning, KernelUnavailableWarning)
+    assert f"ATTN_DI_KERNEL_CACHE={not_a_directory} is not a usable directory" in warning.reason
+    assert warning.hint == (
+        f"set ATTN_DI_KERNEL_CACHE to a writable directory (it is "
+        f"ATTN_DI_KERNEL_CACHE={not_a_directory}); CPU_ATTN works meanwhile"
+    )
+
+
+def test_status_command_reports_a_bad_switch_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m attn_di.backends._cpu_kernel status`` with a bad switch: one line, exit 2."""
+    env = {**os.environ, _cpu_kernel.ENV_SWITCH: "fast"}
+
+    done = subprocess.run(
+        [sys.executable, "-m", "attn_di.backends._cpu_kernel", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith(
+        "python -m attn_di.backends._cpu_kernel: error: ATTN_DI_CPU_KERNEL: is 'fast', not one of"
+    )
+    assert lines[1:] == [
+        "hint: set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch)"
+    ]
