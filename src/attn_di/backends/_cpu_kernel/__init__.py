@@ -10,7 +10,9 @@ One build per instruction set, chosen by what torch itself dispatches to on this
 (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, or the portable default) and
 compiled with exactly that set's flags (never ``-march=native``), so a cache directory shared
 by AVX2-only and AVX-512 machines holds both and each loads its own. The directory name
-carries a hash of the source, the flags and torch's version: a change rebuilds.
+carries a hash of the source, the flags and torch's version: a change rebuilds. Its
+``built`` stamp records the library's size and SHA-256, checked before each load: a damaged
+library is rebuilt (or, without a compiler, never loaded).
 
 Threads come from torch's intra-op pool (``at::parallel_for``; the library links the
 ``libgomp.so.1`` torch has already loaded, so there is one OpenMP runtime).
