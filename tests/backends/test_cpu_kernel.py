@@ -9,10 +9,15 @@ sequence's block or a spare block, fails.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
+import subprocess
 import sys
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -388,3 +393,224 @@ def test_poison_helper_leaves_written_slots() -> None:
     total = batch.kv_cache.shape[1] * 16
     assert int(poisoned) == total - 25
     assert int(torch.isinf(batch.kv_cache[1]).any(-1).any(-1).sum()) == total - 25
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_one_impl_shared_by_threads_matches_one_thread(path: str) -> None:
+    """Four threads forwarding different batches through one impl get the one-thread results."""
+    if path == "kernel" and not _cpu_kernel.kernel_status().active:
+        pytest.skip(f"CPU_ATTN's kernel: {_cpu_kernel.kernel_status().describe()}")
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=64, sinks=torch.randn(4))
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+    # Prefills (the grouped path) and pure decode, of different sizes: every workspace user.
+    shapes = [([40, 1], [40, 300]), ([1, 1, 1], [700, 90, 5]), ([33], [33]), ([1], [2000])]
+    batches = [make_batch(opts, q, s, 16, torch.float32, seed=i) for i, (q, s) in enumerate(shapes)]
+
+    def forward(batch: Batch) -> torch.Tensor:
+        return impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache.clone(), batch.metadata
+        )
+
+    with _cpu_kernel.pure_torch() if path == "torch" else contextlib.nullcontext():
+        expected = [forward(batch) for batch in batches]
+        barrier = threading.Barrier(len(batches))
+        results: list[list[torch.Tensor]] = [[] for _ in batches]
+
+        def worker(index: int) -> None:
+            barrier.wait()
+            for _ in range(15):
+                results[index].append(forward(batches[index]))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(batches))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    for outs, want in zip(results, expected, strict=True):
+        assert len(outs) == 15
+        for out in outs:
+            torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
+@requires_kernel
+def test_sinks_updated_in_place_reach_the_kernel(kernel_calls: list[int]) -> None:
+    """bf16 sinks changed in place after a first call (as load_state_dict does) are used."""
+    sinks = torch.zeros(4, dtype=torch.bfloat16)
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=64, sinks=sinks)
+    batch = make_batch(opts, [1, 3], [60, 20], 16, torch.bfloat16)
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+    assert impl.sinks is sinks
+    impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache.clone(), batch.metadata)
+
+    sinks.fill_(5.0)
+    kernel_out, torch_out = run_both_paths(opts, batch, kernel_calls, 16)
+    # run_both_paths makes new impls: also the first impl, whose options are cached.
+    again = impl.forward(
+        None, batch.query, batch.key, batch.value, batch.kv_cache.clone(), batch.metadata
+    )
+
+    expected = reference_attention(opts, batch)
+    assert_matches(torch_out, expected, torch.bfloat16)
+    assert_matches(kernel_out, expected, torch.bfloat16)
+    assert_matches(again, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_strided_output_is_filled(path: str) -> None:
+    """A non-contiguous ``output=`` (every other column) gets the result on both paths."""
+    if path == "kernel" and not _cpu_kernel.kernel_status().active:
+        pytest.skip(f"CPU_ATTN's kernel: {_cpu_kernel.kernel_status().describe()}")
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=64)
+    batch = make_batch(opts, [1, 2], [50, 9], 16, torch.float32)
+    storage = torch.full((3, 2 * 4 * 64), 7.0)
+    output = storage[:, ::2]
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+
+    with _cpu_kernel.pure_torch() if path == "torch" else contextlib.nullcontext():
+        result = impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, output
+        )
+
+    assert result is output
+    assert_matches(output, reference_attention(opts, batch), torch.float32)
+    assert bool((storage[:, 1::2] == 7.0).all())
+
+
+def _copy_of_this_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """``(build directory, library)``: this CPU's build, copied into a new cache in tmp_path."""
+    status = _cpu_kernel.kernel_status()
+    if not status.active or status.library is None:
+        pytest.skip(f"CPU_ATTN's kernel: {status.describe()}")
+    source = Path(status.library).parent
+    monkeypatch.setenv(_cpu_kernel.ENV_CACHE, str(tmp_path / "cache"))
+    directory = tmp_path / "cache" / source.name
+    shutil.copytree(source, directory)
+    return directory, directory / Path(status.library).name
+
+
+def _damage(library: Path, how: str) -> None:
+    """Truncate the library to half, or overwrite its middle with garbage (same size)."""
+    data = library.read_bytes()
+    if how == "truncated":
+        library.write_bytes(data[: len(data) // 2])
+    else:
+        middle = len(data) // 2
+        library.write_bytes(data[:middle] + b"\xff" * 4096 + data[middle + 4096 :])
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_damaged_build_without_compiler_falls_back_naming_it(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged cached library is never loaded: without a compiler, one warning names it."""
+    directory, library = _copy_of_this_build(tmp_path, monkeypatch)
+    _damage(library, how)
+    env = {**os.environ, "CXX": "attn-di-no-such-compiler", "PYTHONWARNINGS": "default"}
+    env.pop(_cpu_kernel.ENV_SWITCH, None)
+
+    done = subprocess.run(
+        [sys.executable, "-m", "attn_di.backends._cpu_kernel", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert done.returncode == 0, done.stderr  # a dlopen of the truncated file: SIGBUS
+    assert done.stdout.startswith("CPU_ATTN decode: pure torch: CPU_ATTN's kernel in ")
+    assert f"in {directory} is damaged" in done.stdout
+    assert done.stderr.count("KernelUnavailableWarning") == 1
+    assert f"delete {directory}" in done.stderr
+    assert "build --force" in done.stderr
+
+
+@pytest.fixture(name="fake_compile")
+def _fake_compile(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Replaces the compiler with one that writes a small file; lists the libraries built."""
+    from torch.utils import cpp_extension
+
+    built: list[Path] = []
+
+    def load(*, name: str, build_directory: str, **kwargs: object) -> str:
+        library = Path(build_directory) / f"{name}.so"
+        library.write_bytes(b"rebuilt %d" % len(built))
+        built.append(library)
+        return str(library)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setenv("CXX", sys.executable)  # a compiler "on PATH"
+    return built
+
+
+def test_damaged_build_is_rebuilt_and_force_rebuilds(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fake_compile: list[Path],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A damaged build is rebuilt (announced at WARNING); a good one is reused; force rebuilds."""
+    directory, library = _copy_of_this_build(tmp_path, monkeypatch)
+    isa = _cpu_kernel._native_isa()
+    assert _cpu_kernel.build(isa) == library
+    assert fake_compile == []  # the copied build verifies
+    _damage(library, "truncated")
+
+    with caplog.at_level(logging.WARNING, logger="attn_di.backends"):
+        assert _cpu_kernel.build(isa) == library
+
+    assert fake_compile == [library]
+    assert library.read_bytes() == b"rebuilt 0"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"building CPU_ATTN's kernel once (~20 s) into {directory}"
+    ]
+    assert caplog.records[0].levelno == logging.WARNING
+    assert _cpu_kernel.build(isa) == library
+    assert len(fake_compile) == 1
+    assert _cpu_kernel.build(isa, force=True) == library
+    assert library.read_bytes() == b"rebuilt 1"
+
+
+@pytest.mark.usefixtures("fresh_kernel_state", "fake_compile")
+def test_unusable_cache_directory_is_named_in_the_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ATTN_DI_KERNEL_CACHE naming a file: the fallback warning names the variable and path."""
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    monkeypatch.setenv(_cpu_kernel.ENV_CACHE, str(not_a_directory))
+
+    with pytest.warns(KernelUnavailableWarning) as record:
+        status = _cpu_kernel.kernel_status()
+
+    assert not status.active
+    warning = record[0].message
+    assert isinstance(warning, KernelUnavailableWarning)
+    assert f"ATTN_DI_KERNEL_CACHE={not_a_directory} is not a usable directory" in warning.reason
+    assert warning.hint == (
+        f"set ATTN_DI_KERNEL_CACHE to a writable directory (it is "
+        f"ATTN_DI_KERNEL_CACHE={not_a_directory}); CPU_ATTN works meanwhile"
+    )
+
+
+def test_status_command_reports_a_bad_switch_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m attn_di.backends._cpu_kernel status`` with a bad switch: one line, exit 2."""
+    env = {**os.environ, _cpu_kernel.ENV_SWITCH: "fast"}
+
+    done = subprocess.run(
+        [sys.executable, "-m", "attn_di.backends._cpu_kernel", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith(
+        "python -m attn_di.backends._cpu_kernel: error: ATTN_DI_CPU_KERNEL: is 'fast', not one of"
+    )
+    assert lines[1:] == [
+        "hint: set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch)"
+    ]

@@ -131,6 +131,31 @@ def test_run_all_json_checks_every_cpu_backend() -> None:
     assert "FLASH_ATTN" in payload["skipped"]
 
 
+@pytest.mark.parametrize(
+    ("extra", "env", "path"),
+    [
+        ([], {}, "compiled kernel ("),
+        ([], {"ATTN_DI_CPU_KERNEL": "0"}, "pure torch: switched off (ATTN_DI_CPU_KERNEL=0)"),
+        (["--prefill", "17"], {}, "pure torch: queries of more than 16 tokens"),
+    ],
+    ids=["decode", "switched-off", "prefill"],
+)
+def test_run_says_which_cpu_attn_path_ran(extra: list[str], env: dict[str, str], path: str) -> None:
+    """run names CPU_ATTN's path (kernel or pure torch and why) in --json and under the table."""
+    if path.startswith("compiled") and shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: CPU_ATTN's kernel is not built")
+    args = ["run", "--backend", "all", *SMALL, *extra, "--iters", "1"]
+
+    as_json, table = attn_di(*args, "--json", **env), attn_di(*args, **env)
+
+    assert as_json.returncode == 0, as_json.stderr
+    results = {r["backend"]: r for r in json.loads(as_json.stdout)["results"]}
+    assert results["CPU_ATTN"]["decode_path"].startswith(path)
+    assert all("decode_path" not in r for name, r in results.items() if name != "CPU_ATTN")
+    ran = [line for line in table.stdout.splitlines() if line.startswith("CPU_ATTN ran: ")]
+    assert ran == [f"CPU_ATTN ran: {results['CPU_ATTN']['decode_path']}"]
+
+
 def test_run_mixed_prefill_and_decode_table() -> None:
     """run with --prefill and bf16: a table with a pass for the selected backend."""
     result = attn_di("run", *SMALL, "--prefill", "16", "--dtype", "bfloat16", "--iters", "1")

@@ -21,6 +21,7 @@ Four paths:
 
 from __future__ import annotations
 
+import threading
 from typing import Any, ClassVar
 
 import torch
@@ -77,8 +78,27 @@ class CPUAttentionImpl(GroupedAttentionImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._workspace = _Workspace()
+        self._workspaces = threading.local()
         self._kernel_options: tuple[Any, ...] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and deep-copied without scratch buffers (a thread-local cannot be)."""
+        state = self.__dict__.copy()
+        del state["_workspaces"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._workspaces = threading.local()
+
+    @property
+    def _workspace(self) -> _Workspace:
+        """This thread's scratch buffers (one set per thread, so that threads sharing
+        the impl, as in the transformers integration, never write into each other's)."""
+        workspace: _Workspace | None = getattr(self._workspaces, "buffers", None)
+        if workspace is None:
+            workspace = self._workspaces.buffers = _Workspace()
+        return workspace
 
     def _forward_fast(
         self,
@@ -113,7 +133,9 @@ class CPUAttentionImpl(GroupedAttentionImpl):
 
         ``kernel`` is ``torch.ops.attn_di.paged_attention``; it reads only the slots of
         positions each query may see, so garbage elsewhere in the cache never reaches
-        ``rows``. The layer options are converted once per impl.
+        ``rows``. The fixed layer options are converted once per impl; the sinks are passed
+        as they are on every call (the kernel reads them as float32), so in-place updates
+        (``load_state_dict``, ``sinks.fill_``) reach it.
         """
         if self._kernel_options is None:
             alibi = self.alibi_slopes
@@ -122,17 +144,22 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 self.sliding_window or 0,
                 self.logits_soft_cap or 0.0,
                 None if alibi is None else torch.tensor(alibi, dtype=torch.float32),
-                None if self.sinks is None else self.sinks.detach().float().contiguous(),
             )
+        # The kernel writes rows whose last dimension is contiguous; any other ``output=``
+        # gets a contiguous copy (padding rows kept as they were), copied back after.
+        target = rows if rows.stride(-1) == 1 else rows.contiguous()
         kernel(
             query,
             kv_cache,
             metadata.block_table,
             metadata.seq_lens,
             metadata.query_start_loc,
-            rows,
+            target,
             *self._kernel_options,
+            None if self.sinks is None else self.sinks.detach(),
         )
+        if target is not rows:
+            rows.copy_(target)
 
     def _decode_flash(
         self,
@@ -537,8 +564,9 @@ class _HeadMajorGather:
 class _Workspace:
     """Scratch buffers kept between calls, so that steady-state decode allocates no pages.
 
-    Each named buffer grows to the largest size asked for and is then reused; an impl is
-    therefore not safe to call from two threads at once (neither are vLLM's).
+    Each named buffer grows to the largest size asked for and is then reused; an impl keeps
+    one workspace per thread (:attr:`CPUAttentionImpl._workspace`), so concurrent forwards
+    on one impl never share a buffer.
     """
 
     def __init__(self) -> None:

@@ -29,6 +29,7 @@ from attn_di._selection import (
     canonical_dtype,
     select_backend,
 )
+from attn_di.cli._list import describe_cpu_attn_decode
 from attn_di.cli._main import RUN_DEFAULTS
 from attn_di.cli._output import print_json, print_table
 from attn_di.exceptions import AttnDIError, BackendRejectedError, InvalidInputError
@@ -396,6 +397,7 @@ def _run_one(
             )
             times.append(time.perf_counter() - start)
             advance()
+    decode_path = _cpu_attn_path(impl, problem, kv_cache)
     error = float((output.to(torch.float64) - problem.reference).abs().max())
     median = statistics.median(times)
     num_tokens = int(problem.query.shape[0])
@@ -408,7 +410,29 @@ def _run_one(
         "median_ms": median * 1e3,
         "tokens_per_s": num_tokens / median,
         "gb_per_s": problem.kv_bytes / median / 1e9,
+        **({"decode_path": decode_path} if decode_path else {}),
     }
+
+
+def _cpu_attn_path(impl: Any, problem: _Problem, kv_cache: Any) -> str | None:
+    """Which of CPU_ATTN's paths ran this batch (None for other backends' impls).
+
+    ``compiled kernel (<isa>)`` or ``pure torch: <reason>``, as ``attn-di list`` words it;
+    with the kernel loaded, batches with a query longer than ``KERNEL_MAX_QUERY`` tokens
+    (prefills) still take the pure-torch path.
+    """
+    from attn_di.backends import cpu_attn
+
+    if not isinstance(impl, cpu_attn.CPUAttentionImpl):
+        return None
+    described = describe_cpu_attn_decode()
+    kernel_loaded = bool(described and described.startswith("compiled kernel"))
+    if kernel_loaded and not cpu_attn._kernel_applies(problem.query, kv_cache, problem.metadata):
+        return (
+            f"pure torch: queries of more than {cpu_attn.KERNEL_MAX_QUERY} tokens "
+            "(the kernel takes decode and short chunks)"
+        )
+    return described
 
 
 def _print_results(
@@ -440,6 +464,9 @@ def _print_results(
         for r in results
     ]
     print_table(title, ["backend", "max abs error", "check", "median ms", "tokens/s", "GB/s"], rows)
+    for r in results:
+        if "decode_path" in r:
+            print(f"{r['backend']} ran: {r['decode_path']}")
     load = machine["load_average"]
     print(
         f"timed with {machine['threads']} torch thread(s) on {machine['cpus']} CPUs, "

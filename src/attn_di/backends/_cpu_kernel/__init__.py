@@ -10,7 +10,9 @@ One build per instruction set, chosen by what torch itself dispatches to on this
 (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, or the portable default) and
 compiled with exactly that set's flags (never ``-march=native``), so a cache directory shared
 by AVX2-only and AVX-512 machines holds both and each loads its own. The directory name
-carries a hash of the source, the flags and torch's version: a change rebuilds.
+carries a hash of the source, the flags and torch's version: a change rebuilds. Its
+``built`` stamp records the library's size and SHA-256, checked before each load: a damaged
+library is rebuilt (or, without a compiler, never loaded).
 
 Threads come from torch's intra-op pool (``at::parallel_for``; the library links the
 ``libgomp.so.1`` torch has already loaded, so there is one OpenMP runtime).
@@ -51,7 +53,8 @@ __all__ = [
 
 logger = logging.getLogger("attn_di.backends")
 
-#: ``0`` / ``off``: CPU_ATTN uses its pure-torch path; ``1`` / ``on`` / unset: the kernel.
+#: ``0`` / ``off`` / ``false`` / ``no``: CPU_ATTN uses its pure-torch path; ``1`` / ``on`` /
+#: ``true`` / ``yes`` / unset: the kernel (any case); anything else is an error.
 ENV_SWITCH = "ATTN_DI_CPU_KERNEL"
 #: Where builds go (default ``$XDG_CACHE_HOME/attn_di/kernels``, else ``~/.cache/...``).
 ENV_CACHE = "ATTN_DI_KERNEL_CACHE"
@@ -122,7 +125,8 @@ def kernel_status() -> KernelStatus:
         if switch not in _ON:
             raise InvalidInputError(
                 ENV_SWITCH,
-                f"is {os.environ[ENV_SWITCH]!r}",
+                f"is {os.environ[ENV_SWITCH]!r}, not one of {', '.join(v for v in _ON if v)} "
+                f"(the kernel) or {', '.join(_OFF)} (pure torch)",
                 hint=f"set {ENV_SWITCH}=1 (use the compiled kernel) or 0 (pure torch)",
             )
         try:
@@ -173,35 +177,59 @@ def cache_root() -> Path:
     return base / "attn_di" / "kernels"
 
 
-def build(isa: str | None = None, verbose: bool = False) -> Path:
+def build(isa: str | None = None, verbose: bool = False, force: bool = False) -> Path:
     """Build the kernel for ``isa`` (default: this CPU's) unless built; return the library.
+
+    A build is reused only if the library's size and SHA-256 match those its ``built``
+    stamp recorded; a damaged one (truncated, overwritten) is rebuilt from scratch, so that
+    a corrupt library is never loaded (``dlopen`` of a truncated file can kill the process).
 
     Args:
         isa: ``avx512``, ``avx2`` or ``default``; None: what torch dispatches to here.
         verbose: show the compiler's command lines and output.
+        force: rebuild even if a good build is there.
 
     Returns:
         The shared library's path (in :func:`cache_root`).
 
     Raises:
-        RuntimeError: no C++ compiler, or the build failed (the compiler's output is in
-            the message with ``verbose``).
+        RuntimeError: no C++ compiler, the cache directory is unusable, or the build
+            failed (the compiler's output is in the message with ``verbose``).
     """
     isa = isa or _native_isa()
     name, directory = _build_dir(isa)
     library = directory / f"{name}.so"
     stamp = directory / "built"
-    if stamp.exists() and library.exists():
+    if not force and _verified(library, stamp):
         return library
+    damaged = not force and stamp.exists()
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        raise RuntimeError(
-            f"no C++ compiler ({compiler!r} is not on PATH) to build CPU_ATTN's kernel"
+        if damaged:
+            raise _BuildError(
+                f"CPU_ATTN's kernel in {directory} is damaged (its size or checksum is not "
+                f"what the build recorded) and there is no C++ compiler ({compiler!r} is not "
+                "on PATH) to rebuild it",
+                hint=f"delete {directory}, or install a C++ compiler (e.g. apt-get install "
+                "g++) and run `python -m attn_di.backends._cpu_kernel build --force`; "
+                "CPU_ATTN works meanwhile",
+            )
+        raise _BuildError(
+            f"no C++ compiler ({compiler!r} is not on PATH) to build CPU_ATTN's kernel",
+            hint="install a C++ compiler (e.g. apt-get install g++), then run "
+            "`python -m attn_di.backends._cpu_kernel build`; CPU_ATTN works meanwhile",
         )
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
-    logger.info("building CPU_ATTN's kernel (%s) in %s", isa, directory)
+    try:
+        if directory.exists():  # damaged, half built or forced: start from nothing
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
+        if not os.access(directory, os.W_OK):
+            raise PermissionError(f"{directory} is not writable")
+    except OSError as exc:
+        raise _unusable_cache(exc) from exc
+    logger.warning("building CPU_ATTN's kernel once (~20 s) into %s", directory)
     path = os.environ.get("PATH", "")
     try:
         # cpp_extension runs `ninja` from PATH; the PyPI wheel's lies beside this interpreter,
@@ -218,8 +246,46 @@ def build(isa: str | None = None, verbose: bool = False) -> Path:
         )
     finally:
         os.environ["PATH"] = path
-    stamp.write_text(f"{isa}\n")
+    stamp.write_text(f"{isa}\n{_fingerprint(library)}\n")
     return library
+
+
+class _BuildError(RuntimeError):
+    """A build that cannot happen, with what to do about it (the fallback warning's hint)."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def _fingerprint(library: Path) -> str:
+    """``<size> <sha256>`` of the library, as its build's stamp records it."""
+    data = library.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
+def _verified(library: Path, stamp: Path) -> bool:
+    """Whether ``library`` is exactly what its build produced (size and SHA-256)."""
+    try:
+        recorded = stamp.read_text().splitlines()
+        if len(recorded) < 2 or not library.is_file():
+            return False
+        size, _, digest = recorded[1].partition(" ")
+        if library.stat().st_size != int(size):  # cheap check first: truncated files
+            return False
+        return _fingerprint(library) == f"{size} {digest}"
+    except (OSError, ValueError):
+        return False
+
+
+def _unusable_cache(exc: OSError) -> _BuildError:
+    """The error for a cache directory that cannot be created or written."""
+    configured = os.environ.get(ENV_CACHE)
+    where = f"{ENV_CACHE}={configured}" if configured else str(cache_root())
+    return _BuildError(
+        f"the kernel cache {where} is not a usable directory ({_one_line(exc)})",
+        hint=f"set {ENV_CACHE} to a writable directory (it is {where}); CPU_ATTN works meanwhile",
+    )
 
 
 def _ninja_dir() -> str:
@@ -271,16 +337,16 @@ def _build_dir(isa: str) -> tuple[str, Path]:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""
+    if isinstance(exc, _BuildError):
+        return first
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _hint(exc: BaseException) -> str:
-    if "compiler" in str(exc):
-        return (
-            "install a C++ compiler (e.g. apt-get install g++), then run "
-            "`python -m attn_di.backends._cpu_kernel build`; CPU_ATTN works meanwhile"
-        )
+    if isinstance(exc, _BuildError):
+        return exc.hint
     return (
-        "see `python -m attn_di.backends._cpu_kernel build --verbose` for the compiler's "
-        f"output; {ENV_SWITCH}=0 silences this by choosing the pure-torch path"
+        "rebuild with `python -m attn_di.backends._cpu_kernel build --force --verbose` to see "
+        f"the compiler's output (or delete {cache_root()}); {ENV_SWITCH}=0 silences this by "
+        "choosing the pure-torch path"
     )

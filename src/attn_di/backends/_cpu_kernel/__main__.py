@@ -1,8 +1,9 @@
-"""``python -m attn_di.backends._cpu_kernel [build|status] [--isa ISA] [--verbose]``.
+"""``python -m attn_di.backends._cpu_kernel [build|status] [--isa ISA] [--force] [--verbose]``.
 
-``build`` compiles CPU_ATTN's kernel for this CPU (or ``--isa``) into the cache unless it
-is there, and exits 1 with the reason if it cannot; ``status`` loads it (building if
-needed) and prints which path CPU_ATTN takes.
+``build`` compiles CPU_ATTN's kernel for this CPU (or ``--isa``) into the cache unless a
+good build is there (``--force``: rebuild anyway), and exits 1 with the reason if it
+cannot; ``status`` loads it (building if needed) and prints which path CPU_ATTN takes, or
+exits 2 with one error line if ``ATTN_DI_CPU_KERNEL`` holds an unknown value.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import time
 
 from attn_di.backends import _cpu_kernel
+from attn_di.exceptions import AttnDIError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,14 +23,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["build", "status"], nargs="?", default="status")
     parser.add_argument("--isa", choices=sorted(_cpu_kernel.ISAS), default=None)
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if a good build is in the cache"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "status":
-        print(f"CPU_ATTN decode: {_cpu_kernel.kernel_status().describe()}")
+        try:
+            status = _cpu_kernel.kernel_status()
+        except AttnDIError as exc:
+            print(f"{parser.prog}: error: {exc.message()}", file=sys.stderr)
+            if exc.hint:
+                print(f"hint: {exc.hint}", file=sys.stderr)
+            return 2
+        print(f"CPU_ATTN decode: {status.describe()}")
         return 0
     start = time.perf_counter()
     try:
-        library = _cpu_kernel.build(args.isa, verbose=args.verbose)
+        library = _cpu_kernel.build(args.isa, verbose=args.verbose, force=args.force)
     except Exception as exc:  # report any build failure as one line
         print(f"CPU_ATTN's kernel was not built: {exc}", file=sys.stderr)
         return 1
