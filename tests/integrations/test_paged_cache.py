@@ -150,3 +150,23 @@ def test_repr_shows_the_pool(llama: transformers.PreTrainedModel) -> None:
     assert repr(PagedCache(llama.config, block_size=8)) == (
         "PagedCache(layers=2, block_size=8, blocks=0/0 used, seq_lens=[])"
     )
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_a_new_prompt_no_longer_than_the_cache_is_refused(
+    llama: transformers.PreTrainedModel, rows: int
+) -> None:
+    """generate() on a used cache with a prompt within its columns fails typed, cache unchanged."""
+    ids, mask = left_padded(PROMPTS)
+    options = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    cache = PagedCache(llama.config)
+    with torch.no_grad():
+        llama.generate(input_ids=ids, attention_mask=mask, cache=cache, **options)
+        seq_lens, columns = cache.seq_lens, cache.get_seq_length()
+        prompt = torch.tensor([[5, 6, 7, 8]] * rows)
+        with pytest.raises(InvalidInputError, match="cache") as caught:
+            llama.generate(
+                input_ids=prompt, attention_mask=torch.ones_like(prompt), cache=cache, **options
+            )
+    assert "cache.reset()" in str(caught.value.hint)
+    assert (cache.seq_lens, cache.get_seq_length()) == (seq_lens, columns)

@@ -109,7 +109,7 @@ class _PagedLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the padded 2-D mask: every column seen plus the query."""
-        return self.owner.get_seq_length() + query_length, 0
+        return self.owner.get_mask_sizes(query_length, self.layer_idx)
 
     def get_seq_length(self) -> int:
         """Columns of the padded batch seen so far."""
@@ -252,7 +252,24 @@ class PagedCache(Cache):
         return self._columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        """``(columns seen + query_length, 0)``: the 2-D padding mask covers every column."""
+        """``(columns seen + query_length, 0)``: the 2-D padding mask covers every column.
+
+        transformers asks this before the step's first layer runs, with the step's query length.
+
+        Raises:
+            InvalidInputError: the step brings no new tokens while the cache holds sequences:
+                ``generate`` was given a new prompt no longer than the columns the cache has
+                seen (it keeps only the input columns past them), so the cache needs
+                :meth:`reset` first.
+        """
+        if query_length == 0 and self._columns:
+            raise InvalidInputError(
+                "cache",
+                f"holds {len(self._seq_lens)} sequences over {self._columns} columns and the "
+                "input adds no column past them (a new prompt on a used cache?)",
+                hint="call cache.reset() (or use a new PagedCache) before a new prompt; "
+                "a PagedCache continues the sequences it holds",
+            )
         return self._columns + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -323,7 +340,7 @@ class PagedCache(Cache):
             raise InvalidInputError(
                 "cache",
                 f"holds {len(self._seq_lens)} sequences but the batch has {batch_size} rows",
-                hint="call cache.reset() (or use a new PagedCache) for a new batch",
+                hint="call cache.reset() (or use a new PagedCache) before a new prompt",
             )
         if valid is None:
             query_lens = [query_len] * batch_size
