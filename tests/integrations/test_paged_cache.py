@@ -170,3 +170,30 @@ def test_a_new_prompt_no_longer_than_the_cache_is_refused(
             )
     assert "cache.reset()" in str(caught.value.hint)
     assert (cache.seq_lens, cache.get_seq_length()) == (seq_lens, columns)
+
+
+def test_running_out_after_a_step_leaves_the_cache_as_it_was(
+    llama: transformers.PreTrainedModel,
+) -> None:
+    """A step that runs out of a fixed pool leaves lengths, columns and blocks untouched."""
+    ids, mask = left_padded(PROMPTS)
+    cache = PagedCache(llama.config, block_size=2, num_blocks=5)
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, cache=cache)
+        before = (cache.seq_lens, cache.get_seq_length(), cache.block_tables)
+        free = cache.num_free_blocks
+        with pytest.raises(InvalidInputError, match="num_blocks"):
+            llama(input_ids=torch.tensor([[1, 2], [3, 4]]), cache=cache)
+    assert (cache.seq_lens, cache.get_seq_length(), cache.block_tables) == before
+    assert cache.num_free_blocks == free
+    assert before[:2] == ([3, 6], 6)
+
+
+def test_a_failed_first_step_records_nothing(llama: transformers.PreTrainedModel) -> None:
+    """A first step that fails in the backend (cache dtype mismatch) leaves the cache empty."""
+    ids, mask = left_padded(PROMPTS)
+    cache = PagedCache(llama.config, dtype=torch.float64)
+    with pytest.raises(InvalidInputError, match="dtype"), torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, cache=cache)
+    assert (cache.seq_lens, cache.get_seq_length(), cache.block_tables) == ([], 0, [])
+    assert cache.num_free_blocks == cache.num_blocks

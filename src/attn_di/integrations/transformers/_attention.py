@@ -140,6 +140,27 @@ class AttentionFunction:
             PENDING.set(None)
             if pending[1] == getattr(module, "layer_idx", None):
                 cache = pending[0]
+        try:
+            return self._attend(
+                module, query, key, value, attention_mask, scaling, cache, causal, kwargs
+            )
+        except BaseException:
+            if cache is not None:
+                cache.abandon_step()
+            raise
+
+    def _attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None,
+        cache: PagedCache | None,
+        causal: bool,
+        kwargs: dict[str, Any],
+    ) -> tuple[torch.Tensor, None]:
         valid = _padding_mask(attention_mask, key)
         sinks = kwargs.get("s_aux")
         window = kwargs.get("sliding_window")

@@ -207,6 +207,8 @@ class PagedCache(Cache):
         self._step = 0
         self._updated: set[int] = set()
         self._batch: StepBatch | None = None
+        # (columns, seq_lens, blocks per sequence) before the current step, for abandon_step.
+        self._before: tuple[int, list[int], list[int]] = (0, [], [])
 
     # -- what transformers calls -----------------------------------------------------
     def update(
@@ -241,6 +243,7 @@ class PagedCache(Cache):
             )
         if layer_idx in self._updated or not self._updated:
             self._updated.clear()
+            self._before = (self._columns, list(self._seq_lens), [len(t) for t in self._tables])
             self._step += 1
             self._columns += int(key_states.shape[2])
         self._updated.add(layer_idx)
@@ -370,6 +373,27 @@ class PagedCache(Cache):
         )
         self._batch = batch
         return batch
+
+    def abandon_step(self) -> None:
+        """Undo the current step after a failure: lengths, columns and blocks as before it.
+
+        The attention function calls this when any layer of the step fails, so a failed
+        forward leaves the cache as it found it (blocks taken for the step go back to the
+        free list; a pool that grew stays grown). Keys a layer already wrote land in slots
+        past every sequence's length, which no later step reads before overwriting them.
+        """
+        columns, seq_lens, counts = self._before
+        if len(counts) != len(self._tables):  # the step started the sequences
+            counts = [0] * len(self._tables)
+        for table, count in zip(self._tables, counts, strict=True):
+            while len(table) > count:
+                self._free.append(table.pop())
+        if not seq_lens:
+            self._tables = []
+        self._columns = columns
+        self._seq_lens = list(seq_lens)
+        self._updated.clear()
+        self._batch = None
 
     def kv_cache(
         self, layer_idx: int, backend_cls: Any, dtype: torch.dtype, device: torch.device
