@@ -25,12 +25,20 @@ import torch
 from transformers import Cache, PretrainedConfig
 from transformers.cache_utils import CacheLayerMixin
 
-from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
+from attn_di._selection import canonical_dtype
+from attn_di.exceptions import (
+    InvalidBackendTypeError,
+    InvalidInputError,
+    UnsupportedFeatureError,
+)
 
 if TYPE_CHECKING:
     from attn_di.backend import AttentionMetadata
 
-__all__ = ["PENDING", "PagedCache", "StepBatch", "is_attn_di_name"]
+__all__ = ["MAX_BLOCK_SIZE", "PENDING", "PagedCache", "StepBatch", "is_attn_di_name"]
+
+MAX_BLOCK_SIZE = 65536
+"""The largest ``block_size`` a :class:`PagedCache` accepts (tokens per block)."""
 
 PENDING: ContextVar[tuple[PagedCache, int] | None] = ContextVar(
     "attn_di_paged_pending", default=None
@@ -148,15 +156,23 @@ class PagedCache(Cache):
         block_size: tokens per cache block (16 by default, vLLM's default).
         num_blocks: blocks per layer; None (the default) starts small and doubles the pool
             whenever a step needs more blocks than are free.
-        dtype: the cache dtype; None: the dtype of the first keys it is given.
-        device: the cache device; None: the device of the first keys it is given.
+        dtype: the cache dtype (a ``torch.dtype`` or a name such as ``"bfloat16"``/``"bf16"``);
+            it must be the model's compute dtype. None (the default): the dtype of the first
+            keys it is given.
+        device: the cache device (``torch.device`` or a name such as ``"cpu"``); None: the
+            device of the first keys it is given.
         fill_value: None (the default) allocates uninitialised memory (``torch.empty``);
             a number fills new blocks with it, e.g. ``float("nan")`` in tests, to prove
             that slots a sequence does not cover never reach the output.
 
     Raises:
-        InvalidInputError: a ``block_size`` or ``num_blocks`` that is not a positive int, or a
-            config without ``num_hidden_layers`` / ``num_attention_heads``.
+        InvalidInputError: a ``block_size`` or ``num_blocks`` that is not a positive int (or a
+            ``block_size`` over :data:`MAX_BLOCK_SIZE`), a config without
+            ``num_hidden_layers`` / ``num_attention_heads``, an unknown or non-float
+            ``dtype``, a ``device`` torch cannot parse or allocate on, a non-numeric
+            ``fill_value``.
+        InvalidBackendTypeError: ``config`` is not a transformers config (e.g. the model, or a
+            dict).
     """
 
     def __init__(
@@ -169,7 +185,7 @@ class PagedCache(Cache):
         device: torch.device | str | None = None,
         fill_value: float | None = None,
     ) -> None:
-        text_config = config.get_text_config(decoder=True)
+        text_config = _text_config(config)
         num_layers = getattr(text_config, "num_hidden_layers", None)
         num_heads = getattr(text_config, "num_attention_heads", None)
         if not isinstance(num_layers, int) or not isinstance(num_heads, int):
@@ -180,6 +196,13 @@ class PagedCache(Cache):
             )
         self.config = config
         self.block_size = _positive("block_size", block_size, "block_size=16")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise InvalidInputError(
+                "block_size",
+                f"{self.block_size} tokens per block is more than {MAX_BLOCK_SIZE}: every "
+                "sequence takes at least one block in every layer",
+                hint="use a small block_size such as 16 (vLLM's default); the pool grows in blocks",
+            )
         self._fixed_blocks = (
             None if num_blocks is None else _positive("num_blocks", num_blocks, "num_blocks=1024")
         )
@@ -187,9 +210,9 @@ class PagedCache(Cache):
         self.head_size: int = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // num_heads
         )
-        self.dtype = dtype
-        self.device = None if device is None else torch.device(device)
-        self.fill_value = fill_value
+        self.dtype = _dtype(dtype)
+        self.device = _device(device)
+        self.fill_value = _fill_value(fill_value)
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
         layers = [
             _PagedLayer(self, index, kind in ("sliding_attention", "chunked_attention"))
@@ -402,7 +425,8 @@ class PagedCache(Cache):
 
         Raises:
             InvalidInputError: ``backend_cls`` lays the cache out differently from the backend
-                that allocated it (the attention was swapped to an incompatible backend).
+                that allocated it (the attention was swapped to an incompatible backend), or
+                the cache's dtype or device is not the keys' (``dtype``, ``device``).
         """
         if backend_cls not in self._compatible:
             self._check_layout(backend_cls)
@@ -413,6 +437,22 @@ class PagedCache(Cache):
             )
             kv_cache = self._new_tensor(shape, self.dtype or dtype, self.device or device)
             self._kv_caches[layer_idx] = kv_cache
+        if kv_cache.dtype != dtype:
+            name = str(dtype).removeprefix("torch.")
+            raise InvalidInputError(
+                "dtype",
+                f"the PagedCache holds {str(kv_cache.dtype).removeprefix('torch.')} but the "
+                f"model's keys are {name}",
+                hint=f"make the cache in the model's dtype: PagedCache(model.config, "
+                f'dtype="{name}"), or dtype=None (the default) to follow the model',
+            )
+        if kv_cache.device != torch.device(device):
+            raise InvalidInputError(
+                "device",
+                f"the PagedCache is on {kv_cache.device} but the model's keys are on {device}",
+                hint="make the cache on the model's device: PagedCache(model.config, "
+                f'device="{device}"), or device=None (the default) to follow the model',
+            )
         return kv_cache
 
     # -- introspection ---------------------------------------------------------------
@@ -541,3 +581,72 @@ def _unsupported(feature: str) -> UnsupportedFeatureError:
         "(the attn_di attention functions work on it too)"
     )
     return error
+
+
+def _text_config(config: object) -> Any:
+    """The decoder config of ``config``, refusing what is not a transformers config."""
+    if not isinstance(config, PretrainedConfig):
+        model_hint = (
+            "pass the model's config, PagedCache(model.config), not the model"
+            if isinstance(getattr(config, "config", None), PretrainedConfig)
+            else "pass the model's config: PagedCache(model.config)"
+        )
+        raise InvalidBackendTypeError(
+            "config", config, "a transformers PretrainedConfig (model.config)", hint=model_hint
+        )
+    return config.get_text_config(decoder=True)
+
+
+def _dtype(dtype: object) -> torch.dtype | None:
+    """``dtype`` as a torch float dtype (names as :func:`canonical_dtype` takes them), or None."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, (str, torch.dtype)):
+        raise InvalidBackendTypeError(
+            "dtype", dtype, 'a torch dtype or a name such as "bfloat16"', hint="e.g. dtype=None"
+        )
+    result: torch.dtype = getattr(torch, canonical_dtype(dtype))
+    return result
+
+
+def _device(device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` torch can allocate on, or None."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise InvalidBackendTypeError(
+            "device", device, 'a torch.device or a name such as "cpu"', hint="e.g. device=None"
+        )
+    available = ["cpu"] + [kind for kind in ("cuda", "xpu", "mps") if _accelerator_available(kind)]
+    try:
+        parsed = torch.device(device)
+        torch.empty(0, device=parsed)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise InvalidInputError(
+            "device",
+            f"cannot allocate on {device!r} ({str(exc).splitlines()[0]}); available here: "
+            f"{', '.join(available)}",
+            hint="pass device=None (the default) to follow the model's keys, or one of "
+            + ", ".join(repr(kind) for kind in available),
+        ) from None
+    return parsed
+
+
+def _accelerator_available(kind: str) -> bool:
+    module = getattr(torch, kind, None)
+    is_available = getattr(module, "is_available", None)
+    return bool(is_available()) if callable(is_available) else False
+
+
+def _fill_value(value: object) -> float | None:
+    """``value`` as a float (NaN and infinities allowed), or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidBackendTypeError(
+            "fill_value",
+            value,
+            "a number or None",
+            hint='e.g. fill_value=float("nan") to prove unused slots are never read',
+        )
+    return float(value)
