@@ -202,7 +202,11 @@ class AttentionFunction:
             settings.head_size, query.dtype, block_size, sinks is not None, settings.attn_type
         )
         device = _CPU if query.device.type == "cpu" else parse_device(query.device.type)
-        selection = select_backend(config, device=device, backend=self.member)
+        try:
+            selection = select_backend(config, device=device, backend=self.member)
+        except BackendRejectedError as exc:
+            exc.hint = _rejected_hint(exc.origin, ())
+            raise
         impls = _IMPLS.get(module)
         if impls is None:
             impls = _IMPLS.setdefault(module, {})
@@ -243,7 +247,7 @@ def _choose(
                 _describe(selection.config, settings),
                 str(device),
             )
-            rejected.hint = exc.hint or rejected.hint
+            rejected.hint = _rejected_hint(selection.origin, exc.supported_by)
             raise rejected from exc
         refusal = exc.message()
     rejected_by: dict[str, list[str]] = {
@@ -265,6 +269,24 @@ def _choose(
         except UnsupportedFeatureError as exc:
             rejected_by[member.name] = [exc.message()]
     raise NoValidBackendError(_describe(config, settings), str(device), rejected_by)
+
+
+def _rejected_hint(origin: str, supported_by: tuple[str, ...]) -> str:
+    """The hint of a refused backend in transformers' terms (the core's names ``backend=``)."""
+    if origin == "force_backend()":
+        choose, alternative = "leave force_backend() off to let attn_di choose", "force {}"
+        names = " or ".join(supported_by)
+    elif origin == "ATTN_DI_BACKEND":
+        choose, alternative = "unset ATTN_DI_BACKEND to let attn_di choose", "set it to {}"
+        names = " or ".join(supported_by)
+    else:
+        choose = (
+            'load the model with attn_implementation="attn_di" (or call '
+            'model.set_attn_implementation("attn_di")) to let attn_di choose'
+        )
+        alternative = "name {}"
+        names = " or ".join(f'"attn_di:{name}"' for name in supported_by)
+    return f"{choose}, or {alternative.format(names)}" if names else choose
 
 
 def _build_impl(backend_cls: Any, settings: LayerSettings, sinks: torch.Tensor | None) -> Any:
