@@ -261,3 +261,23 @@ def test_a_cache_in_another_dtype_points_at_the_constructor(
     with pytest.raises(InvalidInputError, match="dtype") as caught, torch.no_grad():
         llama(input_ids=ids, attention_mask=mask, cache=cache)
     assert 'PagedCache(model.config, dtype="float32")' in str(caught.value.hint)
+
+
+def test_several_return_sequences_match_eager(llama: transformers.PreTrainedModel) -> None:
+    """Sampling 4 sequences per prompt on a PagedCache equals eager's under the same seed."""
+    ids, mask = left_padded(PROMPTS)
+    options = {
+        "max_new_tokens": 6, "do_sample": True, "top_k": 0, "pad_token_id": 0,
+        "num_return_sequences": 4,
+    }  # fmt: skip
+    with torch.no_grad():
+        llama.set_attn_implementation("eager")
+        torch.manual_seed(2)
+        expected = llama.generate(input_ids=ids, attention_mask=mask, **options)
+        llama.set_attn_implementation("attn_di")
+        torch.manual_seed(2)
+        cache = PagedCache(llama.config, fill_value=float("nan"))
+        tokens = llama.generate(input_ids=ids, attention_mask=mask, cache=cache, **options)
+    assert tokens.shape[0] == 8
+    assert tokens.tolist() == expected.tolist()
+    assert len(cache.seq_lens) == 8

@@ -328,12 +328,15 @@ class PagedCache(Cache):
         raise _unsupported("reorder_cache (beam search)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Refused: several returned sequences per prompt would need copy-on-write blocks.
+        """Refused: repeating the rows of a filled cache would need copy-on-write blocks.
+
+        (``generate``'s ``num_return_sequences > 1`` does not come here: it repeats the
+        prompts before the first step, so each returned sequence is a row of its own.)
 
         Raises:
             UnsupportedFeatureError: always.
         """
-        raise _unsupported("batch_repeat_interleave (num_return_sequences > 1)")
+        raise _unsupported("batch_repeat_interleave (repeating the rows of a filled cache)")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Refused: see :meth:`batch_repeat_interleave`.
