@@ -182,3 +182,17 @@ def test_backend_that_cannot_run_here_fails_typed(member: str) -> None:
     model.set_attn_implementation(implementation_name(member))
     with pytest.raises(AttnDIError, match=member):
         model(input_ids=ids, attention_mask=mask)
+
+
+def test_a_named_backend_is_not_changed_by_force_backend() -> None:
+    """``"attn_di:CPU_ATTN"`` keeps CPU_ATTN under force_backend of a backend that would refuse."""
+    model = _model("gemma2")
+    ids, mask = left_padded(PROMPTS)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+    model.set_attn_implementation("attn_di:CPU_ATTN")
+    with force_backend("TORCH_SDPA"), torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-5)
