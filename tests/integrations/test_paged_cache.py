@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
+from attn_di.exceptions import InvalidBackendTypeError, InvalidInputError, UnsupportedFeatureError
 from attn_di.integrations.transformers import PagedCache
 
 from .conftest import left_padded
@@ -150,3 +150,134 @@ def test_repr_shows_the_pool(llama: transformers.PreTrainedModel) -> None:
     assert repr(PagedCache(llama.config, block_size=8)) == (
         "PagedCache(layers=2, block_size=8, blocks=0/0 used, seq_lens=[])"
     )
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_a_new_prompt_no_longer_than_the_cache_is_refused(
+    llama: transformers.PreTrainedModel, rows: int
+) -> None:
+    """generate() on a used cache with a prompt within its columns fails typed, cache unchanged."""
+    ids, mask = left_padded(PROMPTS)
+    options = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    cache = PagedCache(llama.config)
+    with torch.no_grad():
+        llama.generate(input_ids=ids, attention_mask=mask, cache=cache, **options)
+        seq_lens, columns = cache.seq_lens, cache.get_seq_length()
+        prompt = torch.tensor([[5, 6, 7, 8]] * rows)
+        with pytest.raises(InvalidInputError, match="cache") as caught:
+            llama.generate(
+                input_ids=prompt, attention_mask=torch.ones_like(prompt), cache=cache, **options
+            )
+    assert "cache.reset()" in str(caught.value.hint)
+    assert (cache.seq_lens, cache.get_seq_length()) == (seq_lens, columns)
+
+
+def test_running_out_after_a_step_leaves_the_cache_as_it_was(
+    llama: transformers.PreTrainedModel,
+) -> None:
+    """A step that runs out of a fixed pool leaves lengths, columns and blocks untouched."""
+    ids, mask = left_padded(PROMPTS)
+    cache = PagedCache(llama.config, block_size=2, num_blocks=5)
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, cache=cache)
+        before = (cache.seq_lens, cache.get_seq_length(), cache.block_tables)
+        free = cache.num_free_blocks
+        with pytest.raises(InvalidInputError, match="num_blocks"):
+            llama(input_ids=torch.tensor([[1, 2], [3, 4]]), cache=cache)
+    assert (cache.seq_lens, cache.get_seq_length(), cache.block_tables) == before
+    assert cache.num_free_blocks == free
+    assert before[:2] == ([3, 6], 6)
+
+
+def test_a_failed_first_step_records_nothing(llama: transformers.PreTrainedModel) -> None:
+    """A first step that fails in the backend (cache dtype mismatch) leaves the cache empty."""
+    ids, mask = left_padded(PROMPTS)
+    cache = PagedCache(llama.config, dtype=torch.float64)
+    with pytest.raises(InvalidInputError, match="dtype"), torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, cache=cache)
+    assert (cache.seq_lens, cache.get_seq_length(), cache.block_tables) == ([], 0, [])
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "argument", "hint"),
+    [
+        ({"dtype": "float31"}, InvalidInputError, "dtype", "float32"),
+        ({"dtype": torch.int8}, InvalidInputError, "dtype", "'"),
+        ({"dtype": 4}, InvalidBackendTypeError, "dtype", "dtype=None"),
+        ({"device": "banana"}, InvalidInputError, "device", "'cpu'"),
+        ({"device": "cuda"}, InvalidInputError, "device", "'cpu'"),
+        ({"device": 3.5}, InvalidBackendTypeError, "device", "device=None"),
+        ({"fill_value": "nan"}, InvalidBackendTypeError, "fill_value", 'float("nan")'),
+        ({"fill_value": True}, InvalidBackendTypeError, "fill_value", 'float("nan")'),
+        ({"block_size": 10**9}, InvalidInputError, "block_size", "16"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(
+    llama: transformers.PreTrainedModel,
+    options: dict[str, object],
+    error: type[Exception],
+    argument: str,
+    hint: str,
+) -> None:
+    """Each bad argument fails in PagedCache() with a typed error naming it and a hint."""
+    if options.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(error, match=argument) as caught:
+        PagedCache(llama.config, **options)  # type: ignore[arg-type]
+    assert hint in str(caught.value.hint)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("config", [None, {"num_hidden_layers": 2}, "model"])
+def test_a_config_that_is_not_a_config_is_refused(
+    llama: transformers.PreTrainedModel, config: object
+) -> None:
+    """None, a dict or the model itself in place of model.config fails typed, hinting at it."""
+    given = llama if config == "model" else config
+    with pytest.raises(InvalidBackendTypeError, match="config") as caught:
+        PagedCache(given)  # type: ignore[arg-type]
+    assert "model.config" in str(caught.value.hint)
+    if config == "model":
+        assert "not the model" in str(caught.value.hint)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "fp32", "torch.float32", torch.float32])
+def test_dtype_names_are_accepted(llama: transformers.PreTrainedModel, dtype: object) -> None:
+    """dtype takes torch dtypes and attn_di's dtype names, and the cache uses it."""
+    cache = PagedCache(llama.config, dtype=dtype, device="cpu")  # type: ignore[arg-type]
+    assert (cache.dtype, cache.device) == (torch.float32, torch.device("cpu"))
+    ids, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, cache=cache)
+    assert cache._kv_caches[0].dtype == torch.float32
+
+
+def test_a_cache_in_another_dtype_points_at_the_constructor(
+    llama: transformers.PreTrainedModel,
+) -> None:
+    """A cache dtype other than the model's fails with a hint at PagedCache(dtype=...)."""
+    ids, mask = left_padded(PROMPTS)
+    cache = PagedCache(llama.config, dtype="bf16")
+    with pytest.raises(InvalidInputError, match="dtype") as caught, torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, cache=cache)
+    assert 'PagedCache(model.config, dtype="float32")' in str(caught.value.hint)
+
+
+def test_several_return_sequences_match_eager(llama: transformers.PreTrainedModel) -> None:
+    """Sampling 4 sequences per prompt on a PagedCache equals eager's under the same seed."""
+    ids, mask = left_padded(PROMPTS)
+    options = {
+        "max_new_tokens": 6, "do_sample": True, "top_k": 0, "pad_token_id": 0,
+        "num_return_sequences": 4,
+    }  # fmt: skip
+    with torch.no_grad():
+        llama.set_attn_implementation("eager")
+        torch.manual_seed(2)
+        expected = llama.generate(input_ids=ids, attention_mask=mask, **options)
+        llama.set_attn_implementation("attn_di")
+        torch.manual_seed(2)
+        cache = PagedCache(llama.config, fill_value=float("nan"))
+        tokens = llama.generate(input_ids=ids, attention_mask=mask, cache=cache, **options)
+    assert tokens.shape[0] == 8
+    assert tokens.tolist() == expected.tolist()
+    assert len(cache.seq_lens) == 8

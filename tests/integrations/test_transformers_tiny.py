@@ -128,6 +128,8 @@ def test_backend_without_a_feature_is_refused_by_name(
     assert caught.value.member == member
     assert "logits_soft_cap" in str(caught.value)
     assert "CPU_ATTN" in str(caught.value.hint)
+    assert 'attn_implementation="attn_di"' in str(caught.value.hint)
+    assert "backend=" not in str(caught.value.hint)
 
 
 def test_forced_backend_without_a_feature_is_refused() -> None:
@@ -138,6 +140,19 @@ def test_forced_backend_without_a_feature_is_refused() -> None:
     with force_backend("TORCH_SDPA"), pytest.raises(BackendRejectedError) as caught:
         model(input_ids=ids, attention_mask=mask)
     assert caught.value.origin == "force_backend()"
+    assert "force_backend() off" in str(caught.value.hint)
+    assert "backend=" not in str(caught.value.hint)
+
+
+def test_named_backend_that_cannot_run_here_hints_at_attn_di() -> None:
+    """A named backend the selector refuses hints at attn_implementation="attn_di", not backend=."""
+    model = _model("llama")
+    ids, mask = left_padded(PROMPTS)
+    model.set_attn_implementation(implementation_name("FLASH_ATTN"))
+    with pytest.raises(BackendRejectedError, match="FLASH_ATTN") as caught:
+        model(input_ids=ids, attention_mask=mask)
+    assert 'attn_implementation="attn_di"' in str(caught.value.hint)
+    assert "backend=" not in str(caught.value.hint)
 
 
 def test_auto_selection_skips_a_candidate_without_soft_cap(container: BackendContainer) -> None:
@@ -167,3 +182,17 @@ def test_backend_that_cannot_run_here_fails_typed(member: str) -> None:
     model.set_attn_implementation(implementation_name(member))
     with pytest.raises(AttnDIError, match=member):
         model(input_ids=ids, attention_mask=mask)
+
+
+def test_a_named_backend_is_not_changed_by_force_backend() -> None:
+    """``"attn_di:CPU_ATTN"`` keeps CPU_ATTN under force_backend of a backend that would refuse."""
+    model = _model("gemma2")
+    ids, mask = left_padded(PROMPTS)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+    model.set_attn_implementation("attn_di:CPU_ATTN")
+    with force_backend("TORCH_SDPA"), torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-5)

@@ -140,6 +140,27 @@ class AttentionFunction:
             PENDING.set(None)
             if pending[1] == getattr(module, "layer_idx", None):
                 cache = pending[0]
+        try:
+            return self._attend(
+                module, query, key, value, attention_mask, scaling, cache, causal, kwargs
+            )
+        except BaseException:
+            if cache is not None:
+                cache.abandon_step()
+            raise
+
+    def _attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None,
+        cache: PagedCache | None,
+        causal: bool,
+        kwargs: dict[str, Any],
+    ) -> tuple[torch.Tensor, None]:
         valid = _padding_mask(attention_mask, key)
         sinks = kwargs.get("s_aux")
         window = kwargs.get("sliding_window")
@@ -181,7 +202,11 @@ class AttentionFunction:
             settings.head_size, query.dtype, block_size, sinks is not None, settings.attn_type
         )
         device = _CPU if query.device.type == "cpu" else parse_device(query.device.type)
-        selection = select_backend(config, device=device, backend=self.member)
+        try:
+            selection = select_backend(config, device=device, backend=self.member)
+        except BackendRejectedError as exc:
+            exc.hint = _rejected_hint(exc.origin, ())
+            raise
         impls = _IMPLS.get(module)
         if impls is None:
             impls = _IMPLS.setdefault(module, {})
@@ -222,7 +247,7 @@ def _choose(
                 _describe(selection.config, settings),
                 str(device),
             )
-            rejected.hint = exc.hint or rejected.hint
+            rejected.hint = _rejected_hint(selection.origin, exc.supported_by)
             raise rejected from exc
         refusal = exc.message()
     rejected_by: dict[str, list[str]] = {
@@ -244,6 +269,24 @@ def _choose(
         except UnsupportedFeatureError as exc:
             rejected_by[member.name] = [exc.message()]
     raise NoValidBackendError(_describe(config, settings), str(device), rejected_by)
+
+
+def _rejected_hint(origin: str, supported_by: tuple[str, ...]) -> str:
+    """The hint of a refused backend in transformers' terms (the core's names ``backend=``)."""
+    if origin == "force_backend()":
+        choose, alternative = "leave force_backend() off to let attn_di choose", "force {}"
+        names = " or ".join(supported_by)
+    elif origin == "ATTN_DI_BACKEND":
+        choose, alternative = "unset ATTN_DI_BACKEND to let attn_di choose", "set it to {}"
+        names = " or ".join(supported_by)
+    else:
+        choose = (
+            'load the model with attn_implementation="attn_di" (or call '
+            'model.set_attn_implementation("attn_di")) to let attn_di choose'
+        )
+        alternative = "name {}"
+        names = " or ".join(f'"attn_di:{name}"' for name in supported_by)
+    return f"{choose}, or {alternative.format(names)}" if names else choose
 
 
 def _build_impl(backend_cls: Any, settings: LayerSettings, sinks: torch.Tensor | None) -> Any:

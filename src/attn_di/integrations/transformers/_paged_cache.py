@@ -16,7 +16,6 @@ cache slot, so a left-padded row's positions start at 0 on its first real token.
 from __future__ import annotations
 
 import math
-import operator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,12 +24,20 @@ import torch
 from transformers import Cache, PretrainedConfig
 from transformers.cache_utils import CacheLayerMixin
 
-from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
+from attn_di._selection import _positive_int, canonical_dtype
+from attn_di.exceptions import (
+    InvalidBackendTypeError,
+    InvalidInputError,
+    UnsupportedFeatureError,
+)
 
 if TYPE_CHECKING:
     from attn_di.backend import AttentionMetadata
 
-__all__ = ["PENDING", "PagedCache", "StepBatch", "is_attn_di_name"]
+__all__ = ["MAX_BLOCK_SIZE", "PENDING", "PagedCache", "StepBatch", "is_attn_di_name"]
+
+MAX_BLOCK_SIZE = 65536
+"""The largest ``block_size`` a :class:`PagedCache` accepts (tokens per block)."""
 
 PENDING: ContextVar[tuple[PagedCache, int] | None] = ContextVar(
     "attn_di_paged_pending", default=None
@@ -109,7 +116,7 @@ class _PagedLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the padded 2-D mask: every column seen plus the query."""
-        return self.owner.get_seq_length() + query_length, 0
+        return self.owner.get_mask_sizes(query_length, self.layer_idx)
 
     def get_seq_length(self) -> int:
         """Columns of the padded batch seen so far."""
@@ -148,15 +155,23 @@ class PagedCache(Cache):
         block_size: tokens per cache block (16 by default, vLLM's default).
         num_blocks: blocks per layer; None (the default) starts small and doubles the pool
             whenever a step needs more blocks than are free.
-        dtype: the cache dtype; None: the dtype of the first keys it is given.
-        device: the cache device; None: the device of the first keys it is given.
+        dtype: the cache dtype (a ``torch.dtype`` or a name such as ``"bfloat16"``/``"bf16"``);
+            it must be the model's compute dtype. None (the default): the dtype of the first
+            keys it is given.
+        device: the cache device (``torch.device`` or a name such as ``"cpu"``); None: the
+            device of the first keys it is given.
         fill_value: None (the default) allocates uninitialised memory (``torch.empty``);
             a number fills new blocks with it, e.g. ``float("nan")`` in tests, to prove
             that slots a sequence does not cover never reach the output.
 
     Raises:
-        InvalidInputError: a ``block_size`` or ``num_blocks`` that is not a positive int, or a
-            config without ``num_hidden_layers`` / ``num_attention_heads``.
+        InvalidInputError: a ``block_size`` or ``num_blocks`` that is not a positive int (or a
+            ``block_size`` over :data:`MAX_BLOCK_SIZE`), a config without
+            ``num_hidden_layers`` / ``num_attention_heads``, an unknown or non-float
+            ``dtype``, a ``device`` torch cannot parse or allocate on, a non-numeric
+            ``fill_value``.
+        InvalidBackendTypeError: ``config`` is not a transformers config (e.g. the model, or a
+            dict).
     """
 
     def __init__(
@@ -169,7 +184,7 @@ class PagedCache(Cache):
         device: torch.device | str | None = None,
         fill_value: float | None = None,
     ) -> None:
-        text_config = config.get_text_config(decoder=True)
+        text_config = _text_config(config)
         num_layers = getattr(text_config, "num_hidden_layers", None)
         num_heads = getattr(text_config, "num_attention_heads", None)
         if not isinstance(num_layers, int) or not isinstance(num_heads, int):
@@ -179,17 +194,26 @@ class PagedCache(Cache):
                 hint="pass the decoder model's config, e.g. PagedCache(model.config)",
             )
         self.config = config
-        self.block_size = _positive("block_size", block_size, "block_size=16")
+        self.block_size = _positive_int("block_size", block_size, "block_size=16")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise InvalidInputError(
+                "block_size",
+                f"{self.block_size} tokens per block is more than {MAX_BLOCK_SIZE}: every "
+                "sequence takes at least one block in every layer",
+                hint="use a small block_size such as 16 (vLLM's default); the pool grows in blocks",
+            )
         self._fixed_blocks = (
-            None if num_blocks is None else _positive("num_blocks", num_blocks, "num_blocks=1024")
+            None
+            if num_blocks is None
+            else _positive_int("num_blocks", num_blocks, "num_blocks=1024")
         )
         self.num_kv_heads: int = getattr(text_config, "num_key_value_heads", None) or num_heads
         self.head_size: int = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // num_heads
         )
-        self.dtype = dtype
-        self.device = None if device is None else torch.device(device)
-        self.fill_value = fill_value
+        self.dtype = _dtype(dtype)
+        self.device = _device(device)
+        self.fill_value = _fill_value(fill_value)
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
         layers = [
             _PagedLayer(self, index, kind in ("sliding_attention", "chunked_attention"))
@@ -207,6 +231,8 @@ class PagedCache(Cache):
         self._step = 0
         self._updated: set[int] = set()
         self._batch: StepBatch | None = None
+        # (columns, seq_lens, blocks per sequence) before the current step, for abandon_step.
+        self._before: tuple[int, list[int], list[int]] = (0, [], [])
 
     # -- what transformers calls -----------------------------------------------------
     def update(
@@ -241,6 +267,7 @@ class PagedCache(Cache):
             )
         if layer_idx in self._updated or not self._updated:
             self._updated.clear()
+            self._before = (self._columns, list(self._seq_lens), [len(t) for t in self._tables])
             self._step += 1
             self._columns += int(key_states.shape[2])
         self._updated.add(layer_idx)
@@ -252,7 +279,24 @@ class PagedCache(Cache):
         return self._columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        """``(columns seen + query_length, 0)``: the 2-D padding mask covers every column."""
+        """``(columns seen + query_length, 0)``: the 2-D padding mask covers every column.
+
+        transformers asks this before the step's first layer runs, with the step's query length.
+
+        Raises:
+            InvalidInputError: the step brings no new tokens while the cache holds sequences:
+                ``generate`` was given a new prompt no longer than the columns the cache has
+                seen (it keeps only the input columns past them), so the cache needs
+                :meth:`reset` first.
+        """
+        if query_length == 0 and self._columns:
+            raise InvalidInputError(
+                "cache",
+                f"holds {len(self._seq_lens)} sequences over {self._columns} columns and the "
+                "input adds no column past them (a new prompt on a used cache?)",
+                hint="call cache.reset() (or use a new PagedCache) before a new prompt; "
+                "a PagedCache continues the sequences it holds",
+            )
         return self._columns + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -285,12 +329,15 @@ class PagedCache(Cache):
         raise _unsupported("reorder_cache (beam search)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Refused: several returned sequences per prompt would need copy-on-write blocks.
+        """Refused: repeating the rows of a filled cache would need copy-on-write blocks.
+
+        (``generate``'s ``num_return_sequences > 1`` does not come here: it repeats the
+        prompts before the first step, so each returned sequence is a row of its own.)
 
         Raises:
             UnsupportedFeatureError: always.
         """
-        raise _unsupported("batch_repeat_interleave (num_return_sequences > 1)")
+        raise _unsupported("batch_repeat_interleave (repeating the rows of a filled cache)")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Refused: see :meth:`batch_repeat_interleave`.
@@ -323,7 +370,7 @@ class PagedCache(Cache):
             raise InvalidInputError(
                 "cache",
                 f"holds {len(self._seq_lens)} sequences but the batch has {batch_size} rows",
-                hint="call cache.reset() (or use a new PagedCache) for a new batch",
+                hint="call cache.reset() (or use a new PagedCache) before a new prompt",
             )
         if valid is None:
             query_lens = [query_len] * batch_size
@@ -354,6 +401,27 @@ class PagedCache(Cache):
         self._batch = batch
         return batch
 
+    def abandon_step(self) -> None:
+        """Undo the current step after a failure: lengths, columns and blocks as before it.
+
+        The attention function calls this when any layer of the step fails, so a failed
+        forward leaves the cache as it found it (blocks taken for the step go back to the
+        free list; a pool that grew stays grown). Keys a layer already wrote land in slots
+        past every sequence's length, which no later step reads before overwriting them.
+        """
+        columns, seq_lens, counts = self._before
+        if len(counts) != len(self._tables):  # the step started the sequences
+            counts = [0] * len(self._tables)
+        for table, count in zip(self._tables, counts, strict=True):
+            while len(table) > count:
+                self._free.append(table.pop())
+        if not seq_lens:
+            self._tables = []
+        self._columns = columns
+        self._seq_lens = list(seq_lens)
+        self._updated.clear()
+        self._batch = None
+
     def kv_cache(
         self, layer_idx: int, backend_cls: Any, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
@@ -361,7 +429,8 @@ class PagedCache(Cache):
 
         Raises:
             InvalidInputError: ``backend_cls`` lays the cache out differently from the backend
-                that allocated it (the attention was swapped to an incompatible backend).
+                that allocated it (the attention was swapped to an incompatible backend), or
+                the cache's dtype or device is not the keys' (``dtype``, ``device``).
         """
         if backend_cls not in self._compatible:
             self._check_layout(backend_cls)
@@ -372,6 +441,22 @@ class PagedCache(Cache):
             )
             kv_cache = self._new_tensor(shape, self.dtype or dtype, self.device or device)
             self._kv_caches[layer_idx] = kv_cache
+        if kv_cache.dtype != dtype:
+            name = str(dtype).removeprefix("torch.")
+            raise InvalidInputError(
+                "dtype",
+                f"the PagedCache holds {str(kv_cache.dtype).removeprefix('torch.')} but the "
+                f"model's keys are {name}",
+                hint=f"make the cache in the model's dtype: PagedCache(model.config, "
+                f'dtype="{name}"), or dtype=None (the default) to follow the model',
+            )
+        if kv_cache.device != torch.device(device):
+            raise InvalidInputError(
+                "device",
+                f"the PagedCache is on {kv_cache.device} but the model's keys are on {device}",
+                hint="make the cache on the model's device: PagedCache(model.config, "
+                f'device="{device}"), or device=None (the default) to follow the model',
+            )
         return kv_cache
 
     # -- introspection ---------------------------------------------------------------
@@ -479,20 +564,6 @@ class PagedCache(Cache):
         self._compatible.add(backend_cls)
 
 
-def _positive(argument: str, value: object, example: str) -> int:
-    number = None
-    if not isinstance(value, bool):
-        try:
-            number = operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            number = None
-    if number is None or number <= 0:
-        raise InvalidInputError(
-            argument, f"must be a positive int, got {value!r}", hint=f"e.g. {example}"
-        )
-    return number
-
-
 def _unsupported(feature: str) -> UnsupportedFeatureError:
     error = UnsupportedFeatureError("PagedCache", feature)
     error.hint = (
@@ -500,3 +571,72 @@ def _unsupported(feature: str) -> UnsupportedFeatureError:
         "(the attn_di attention functions work on it too)"
     )
     return error
+
+
+def _text_config(config: object) -> Any:
+    """The decoder config of ``config``, refusing what is not a transformers config."""
+    if not isinstance(config, PretrainedConfig):
+        model_hint = (
+            "pass the model's config, PagedCache(model.config), not the model"
+            if isinstance(getattr(config, "config", None), PretrainedConfig)
+            else "pass the model's config: PagedCache(model.config)"
+        )
+        raise InvalidBackendTypeError(
+            "config", config, "a transformers PretrainedConfig (model.config)", hint=model_hint
+        )
+    return config.get_text_config(decoder=True)
+
+
+def _dtype(dtype: object) -> torch.dtype | None:
+    """``dtype`` as a torch float dtype (names as :func:`canonical_dtype` takes them), or None."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, (str, torch.dtype)):
+        raise InvalidBackendTypeError(
+            "dtype", dtype, 'a torch dtype or a name such as "bfloat16"', hint="e.g. dtype=None"
+        )
+    result: torch.dtype = getattr(torch, canonical_dtype(dtype))
+    return result
+
+
+def _device(device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` torch can allocate on, or None."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise InvalidBackendTypeError(
+            "device", device, 'a torch.device or a name such as "cpu"', hint="e.g. device=None"
+        )
+    available = ["cpu"] + [kind for kind in ("cuda", "xpu", "mps") if _accelerator_available(kind)]
+    try:
+        parsed = torch.device(device)
+        torch.empty(0, device=parsed)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise InvalidInputError(
+            "device",
+            f"cannot allocate on {device!r} ({str(exc).splitlines()[0]}); available here: "
+            f"{', '.join(available)}",
+            hint="pass device=None (the default) to follow the model's keys, or one of "
+            + ", ".join(repr(kind) for kind in available),
+        ) from None
+    return parsed
+
+
+def _accelerator_available(kind: str) -> bool:
+    module = getattr(torch, kind, None)
+    is_available = getattr(module, "is_available", None)
+    return bool(is_available()) if callable(is_available) else False
+
+
+def _fill_value(value: object) -> float | None:
+    """``value`` as a float (NaN and infinities allowed), or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidBackendTypeError(
+            "fill_value",
+            value,
+            "a number or None",
+            hint='e.g. fill_value=float("nan") to prove unused slots are never read',
+        )
+    return float(value)
