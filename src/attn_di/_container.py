@@ -47,6 +47,7 @@ SELECTION_HOOKS: dict[str, Callable[..., Any]] = {}
 :mod:`attn_di._selection`, a higher layer, on first use)."""
 
 _C = TypeVar("_C")
+_local_layers = LOCAL_LAYERS.get  # bound once: the warm path of backend() calls it
 _MISSING: Any = object()
 _live_containers: weakref.WeakSet[_ContainerAPI] = weakref.WeakSet()
 _serials = itertools.count()
@@ -78,7 +79,7 @@ class _ContainerAPI:
             BackendNotRegisteredError: the member has no path (CUSTOM before registration).
             BackendImportError: its path does not import, or names something not a class.
         """
-        if not LOCAL_LAYERS.get():
+        if not _local_layers():
             try:
                 return self._resolved[member]
             except (KeyError, TypeError):

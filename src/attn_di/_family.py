@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 _E = TypeVar("_E", bound="BackendEnum")
+_local_layers = LOCAL_LAYERS.get  # bound once: the warm path of get_class() calls it
 _FAMILIES: dict[type[Any], BackendFamily] = {}
 _new_listeners: list[Callable[[BackendEnum], None]] = []
 _removed_listeners: list[Callable[[BackendEnum], None]] = []
@@ -109,11 +110,10 @@ class BackendEnum(Enum, metaclass=BackendEnumMeta):
             BackendNotRegisteredError: the member has no path (CUSTOM before registration).
             BackendImportError: the path does not import, or names something that is not a class.
         """
-        container = DEFAULT.current
-        if container is not None and not LOCAL_LAYERS.get():
-            try:
-                return container._resolved[self]  # type: ignore[no-any-return]
-            except KeyError:
+        if not _local_layers():
+            try:  # the default container's warm-path cache
+                return DEFAULT.current._resolved[self]  # type: ignore[no-any-return]
+            except (KeyError, AttributeError):  # not resolved yet; no default container yet
                 pass
         return DEFAULT.get().backend(self)  # type: ignore[no-any-return]
 
