@@ -622,3 +622,31 @@ def test_attention_free_backend_from_the_environment_names_the_variable() -> Non
         hint
         == "unset ATTN_DI_BACKEND or set it to a computing backend, e.g. ATTN_DI_BACKEND=CPU_ATTN"
     )
+
+
+def test_an_unwritable_output_is_one_line() -> None:
+    """list > /dev/full (no space left): one error line and exit 1, never a traceback."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "attn_di", "list"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[0] == (
+        "attn-di: error: cannot write the output: No space left on device"
+    )
+
+
+def test_an_unregistered_custom_hints_at_register() -> None:
+    """run --backend CUSTOM with nothing registered: the hint gives the --register route."""
+    result = attn_di("run", "--backend", "custom")
+    assert result.returncode == 1
+    _, hint = error_and_hint(result)
+    assert hint == (
+        "register a class for it in this run: --register CUSTOM=pkg.module:Class "
+        "(or --import a module that registers it)"
+    )

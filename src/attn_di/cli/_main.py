@@ -9,6 +9,7 @@ reported at once, before torch is imported.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -179,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')} asked for it: unset "
                 f"{BACKEND_ENV} to let attn_di choose, or set it to a backend that runs here"
             )
+        elif any("must be registered before use" in reason for reason in exc.reasons):
+            hint = (
+                f"register a class for it in this run: --register {exc.member}=pkg.module:Class "
+                "(or --import a module that registers it)"
+            )
         else:
             hint = "use --backend auto to let attn_di choose; `attn-di list` shows what imports"
         print_error(exc.message(), hint)
@@ -205,6 +211,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:  # the output cannot be written (a full disk, `>/dev/full`)
+        if exc.errno not in _WRITE_ERRORS:
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print_error(f"cannot write the output: {exc.strerror}", "check the file or disk it goes to")
+        return EXIT_FAILED
+
+
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
