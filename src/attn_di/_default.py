@@ -24,7 +24,6 @@ __all__ = ["get_container", "register_backend", "use_container"]
 _C = TypeVar("_C")
 
 # The default is the innermost container installed by use_container, else the base one.
-_default: BackendContainer | None = None
 _base: BackendContainer | None = None
 _installed: list[BackendContainer] = []
 _lock = threading.Lock()
@@ -35,10 +34,10 @@ def get_container() -> BackendContainer:
 
     The enum's methods (``get_class``, ``get_path``, ...) and :func:`register_backend` act on it.
     """
-    container = _default
+    container: BackendContainer | None = _state.DEFAULT.current
     if container is None:
         with _lock:
-            container = _default or _set_default(_base_container())
+            container = _state.DEFAULT.current or _set_default(_base_container())
         _state.notify_registrations_changed(container)  # runtime members made before it
     return container
 
@@ -162,8 +161,7 @@ def _base_container() -> BackendContainer:
 
 
 def _set_default(container: BackendContainer) -> BackendContainer:
-    global _default
-    _default = _state.DEFAULT.current = container
+    _state.DEFAULT.current = container
     return container
 
 

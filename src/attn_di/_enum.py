@@ -15,24 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from attn_di._family import (
-    BackendEnum,
-    BackendFamily,
-    family_of,
-    on_new_member,
-    on_removed_member,
-)
+from attn_di._family import BackendEnum, BackendFamily, family_of
 
 __all__ = [
     "ATTENTION",
     "MAMBA",
     "AttentionBackendEnum",
     "MambaAttentionBackendEnum",
-    "add_runtime_member",
-    "check_new_name",
-    "lookup_member",
-    "on_new_member",
-    "on_removed_member",
     "parse_backend_name",
     "remove_runtime_member",
     "runtime_members",
@@ -99,22 +88,6 @@ MAMBA = BackendFamily(MambaAttentionBackendEnum, "mamba", "Mamba attention backe
 
 
 # -- the attention family's functions, by their historical names --------------------------
-def add_runtime_member(
-    name: str, class_path: str, default_cls: object = None
-) -> AttentionBackendEnum:
-    """Add a runtime attention member (see :meth:`AttentionBackendEnum.register`)."""
-    return ATTENTION.add_member(name, class_path, default_cls)  # type: ignore[no-any-return]
-
-
-def lookup_member(key: object) -> AttentionBackendEnum:
-    """The attention member for a member or its exact name.
-
-    Raises:
-        UnknownBackendError: anything else (a ValueError), with the closest name.
-    """
-    return ATTENTION.lookup(key)  # type: ignore[no-any-return]
-
-
 def parse_backend_name(name: object) -> AttentionBackendEnum | None:
     """Parse an attention backend name as typed by a user (env var, CLI, config file).
 
@@ -127,11 +100,6 @@ def parse_backend_name(name: object) -> AttentionBackendEnum | None:
         InvalidBackendTypeError: neither a string nor a member.
     """
     return ATTENTION.parse(name)  # type: ignore[no-any-return]
-
-
-def check_new_name(name: object) -> str:
-    """Validate a new attention member's name (see :meth:`BackendFamily.check_new_name`)."""
-    return ATTENTION.check_new_name(name)
 
 
 def runtime_members() -> list[AttentionBackendEnum]:

@@ -61,9 +61,6 @@ class BackendEnumMeta(EnumMeta):
     def __iter__(cls) -> Iterator[Any]:
         return iter(tuple(cls._member_map_.values()))
 
-    def __len__(cls) -> int:
-        return len(cls._member_map_)
-
 
 class BackendEnum(Enum, metaclass=BackendEnumMeta):
     """Base of the backend enums: a member's value is its default dotted class path.

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 
 from attn_di._container import BackendContainer
 from attn_di._default import get_container
-from attn_di._family import BackendEnum, families
+from attn_di._family import BackendEnum, families, family_of
 from attn_di._propagation import PLUGINS_ENV
 from attn_di._provider import BackendProvider, Layer, Target
 from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK, notify_registrations_changed
@@ -269,7 +269,7 @@ def _load(entry_point: EntryPoint, container: BackendContainer) -> PluginRecord:
 
 def _qualified(member: BackendEnum) -> str:
     """The member's name as snapshots write it (``"mamba:CUSTOM"`` outside the attention enum)."""
-    family = next(f for f in families() if isinstance(member, f.enum))
+    family = family_of(member)
     return member.name if family is families()[0] else f"{family.key}:{member.name}"
 
 

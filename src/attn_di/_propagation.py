@@ -105,8 +105,7 @@ def set_auto_propagation(enabled: bool) -> bool:
     """
     if not isinstance(enabled, bool):
         raise InvalidBackendTypeError("enabled", enabled, "True or False")
-    previous = _auto[0]
-    _auto[0] = enabled
+    previous = swap_auto_propagation(enabled)
     if enabled:
         _refresh(None)
     return previous

@@ -30,10 +30,7 @@ from attn_di.exceptions import BackendImportError, BackendNotRegisteredError
 if TYPE_CHECKING:
     from attn_di._family import BackendEnum
 
-__all__ = ["GENERATION", "LOCAL_LAYERS", "STATE_LOCK", "BackendProvider", "Layer", "Target"]
-
-STATE_LOCK = REGISTRY_LOCK
-"""The registry lock (:data:`attn_di._state.REGISTRY_LOCK`), under its historical name."""
+__all__ = ["BackendProvider", "Layer", "Target"]
 
 _UNSET: Any = object()
 
@@ -137,13 +134,13 @@ class BackendProvider(providers.Provider[Any]):
 
     def attach(self, index: dict[object, Any]) -> None:
         """Share the owning container's fast-path cache (filled on resolve, cleared on change)."""
-        with STATE_LOCK:
+        with REGISTRY_LOCK:
             self._index = index
             self.invalidate()
 
     def attach_outer(self, index: dict[object, Any]) -> None:
         """Also fill ``index`` (an outer container's cache), keyed by member only."""
-        with STATE_LOCK:
+        with REGISTRY_LOCK:
             if all(outer is not index for outer in self._outer):
                 self._outer.append(index)
             self.invalidate()
@@ -169,7 +166,7 @@ class BackendProvider(providers.Provider[Any]):
             return cached
         version = self._version
         resolved = self._require(self.global_target()).load(self.name)
-        with STATE_LOCK:
+        with REGISTRY_LOCK:
             if self._version == version and not self.overridden:
                 self._index[self.member] = self._index[self.name] = resolved
                 for outer in self._outer:
@@ -225,7 +222,7 @@ class BackendProvider(providers.Provider[Any]):
         target = self.effective_target()
         return "unset" if target is None else target.source
 
-    # -- state changes (called by the container, under STATE_LOCK) -------------------
+    # -- state changes (called by the container, under REGISTRY_LOCK) -------------------
     def set_registration(self, target: Target | None) -> None:
         """Replace the registration (None clears it)."""
         self._registered = target
@@ -258,17 +255,17 @@ class BackendProvider(providers.Provider[Any]):
     # -- dependency-injector hooks ---------------------------------------------------
     def override(self, provider: Any) -> Any:
         """dependency-injector's override (a stack above everything attn_di manages)."""
-        with STATE_LOCK:
+        with REGISTRY_LOCK:
             self.invalidate()
             return super().override(provider)
 
     def reset_last_overriding(self) -> None:
-        with STATE_LOCK:
+        with REGISTRY_LOCK:
             self.invalidate()
             super().reset_last_overriding()
 
     def reset_override(self) -> None:
-        with STATE_LOCK:
+        with REGISTRY_LOCK:
             self.invalidate()
             super().reset_override()
 

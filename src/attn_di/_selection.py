@@ -288,15 +288,9 @@ def select_backend(
         InvalidBackendTypeError: ``config`` is neither a config nor a mapping.
     """
     if not isinstance(config, AttentionSelectorConfig):
-        if isinstance(config, Mapping):  # the keys container.attention takes, too
-            values = dict(config)
-            device = device if device is not None else values.pop("device", None)
-            backend = backend if backend is not None else values.pop("backend", None)
-            values.pop("device", None)
-            values.pop("backend", None)
-            config = _config_from(values, extra_keys=("device", "backend"))
-        else:
-            config = _config_from(config)
+        config, mapped_device, mapped_backend = _config_from(config)
+        device = device if device is not None else mapped_device
+        backend = backend if backend is not None else mapped_backend
     target = container if container is not None else _state.DEFAULT.get()
     parsed_device = parse_device(device)
     requested, origin = _requested(backend)
@@ -335,16 +329,13 @@ def select_from_settings(container: BackendContainer, settings: dict[str, Any]) 
     Raises:
         InvalidInputError: a missing head_size/dtype or an unknown key.
     """
-    values = dict(settings or {})
-    device = values.pop("device", None)
-    backend = values.pop("backend", None)
-    config = _config_from(values, extra_keys=("device", "backend"))
-    return select_backend(config, device=device, backend=backend, container=container)
+    return select_backend(dict(settings or {}), container=container)
 
 
 # -- internals ------------------------------------------------------------------------
-def _config_from(values: object, extra_keys: tuple[str, ...] = ()) -> AttentionSelectorConfig:
-    """An :class:`AttentionSelectorConfig` from a mapping of its fields.
+def _config_from(values: object) -> tuple[AttentionSelectorConfig, Any, Any]:
+    """``(config, device, backend)`` from a mapping of the config's fields, plus optional
+    ``device`` and ``backend`` keys (None when absent).
 
     Raises:
         InvalidBackendTypeError: not a mapping.
@@ -357,17 +348,20 @@ def _config_from(values: object, extra_keys: tuple[str, ...] = ()) -> AttentionS
             "an AttentionSelectorConfig or a mapping of its fields",
             hint='select_backend(AttentionSelectorConfig(head_size=128, dtype="bfloat16"))',
         )
+    given = dict(values)
+    device = given.pop("device", None)
+    backend = given.pop("backend", None)
     fields = set(AttentionSelectorConfig.__dataclass_fields__)
-    unknown = sorted(str(key) for key in set(values) - fields)
+    unknown = sorted(str(key) for key in set(given) - fields)
     if unknown:
-        valid = sorted(fields | set(extra_keys))
+        valid = sorted(fields | {"device", "backend"})
         close = closest_name(unknown[0], valid)
         raise InvalidInputError(
             "attention settings",
             f"unknown keys {unknown}; valid: {', '.join(valid)}",
             hint=f"did you mean {close.lower()!r}?" if close else None,
         )
-    missing = [name for name in ("head_size", "dtype") if values.get(name) is None]
+    missing = [name for name in ("head_size", "dtype") if given.get(name) is None]
     if missing:
         raise InvalidInputError(
             "attention settings",
@@ -375,7 +369,7 @@ def _config_from(values: object, extra_keys: tuple[str, ...] = ()) -> AttentionS
             hint='set them first, e.g. container.attention.from_dict({"head_size": 128, '
             '"dtype": "bfloat16"})',
         )
-    return AttentionSelectorConfig(**values)
+    return AttentionSelectorConfig(**given), device, backend
 
 
 def _requested(

@@ -137,7 +137,6 @@ def isolated_backends() -> Iterator[Isolation]:
             for member in family.runtime_members():
                 if member not in runtime_before:
                     family.remove_member(member)
-        swap_auto_propagation(False)
         for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
             del os.environ[name]
         os.environ.update(saved_env)
