@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from importlib.metadata import EntryPoint
 from typing import Any
@@ -36,7 +37,7 @@ E = AttentionBackendEnum
 
 def test_members_created_while_others_read(container: BackendContainer) -> None:
     """3 threads creating members while 3 export, iterate, print and parse: no exception."""
-    errors: list[BaseException] = []
+    errors: list[str] = []
     stop = threading.Event()
     prefix = f"RACE_{os.getpid()}_"
 
@@ -46,8 +47,8 @@ def test_members_created_while_others_read(container: BackendContainer) -> None:
                 name = f"{prefix}{index}_{n}"
                 enum = MambaAttentionBackendEnum if n % 3 == 0 else E
                 register_backend(name, "collections.OrderedDict", is_mamba=enum is not E)
-        except BaseException as error:
-            errors.append(error)
+        except BaseException:
+            errors.append(traceback.format_exc())
 
     def reader(kind: int) -> None:
         try:
@@ -62,8 +63,8 @@ def test_members_created_while_others_read(container: BackendContainer) -> None:
                     parse_backend_name("cpu-attn")
                     with pytest.raises(ValueError, match="Unknown attention backend"):
                         E["NO_SUCH_MEMBER"]
-        except BaseException as error:
-            errors.append(error)
+        except BaseException:
+            errors.append(traceback.format_exc())
 
     readers = [threading.Thread(target=reader, args=(kind,)) for kind in range(3)]
     writers = [threading.Thread(target=writer, args=(index,)) for index in range(3)]

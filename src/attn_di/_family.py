@@ -276,7 +276,8 @@ class BackendFamily:
             check_class_path(class_path)
         with REGISTRY_LOCK:
             self.check_new_name(name)
-            same = [n for n in self.enum._member_map_ if n.upper() == name.upper()]
+            upper = name.upper()
+            same = [n for n in self.names() if n.upper() == upper]  # a snapshot, not the dict
             member = self._add(name, class_path)
             if default_cls is not None:
                 member._default_cls_ = default_cls
