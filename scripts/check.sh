@@ -10,4 +10,4 @@ echo "== mypy --strict src"; $PY -m mypy --strict src
 echo "== mypy examples";     $PY -m mypy --strict examples/engine
                              $PY -m mypy --strict examples/tiny_llm
                              $PY -m mypy --strict examples/smollm2
-echo "== pytest";            $PY -m pytest -q tests "$@"
+echo "== pytest";            $PY -m pytest -q tests --hypothesis-profile=ci "$@"

@@ -23,10 +23,15 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from hypothesis import settings
 
 from attn_di import BackendContainer
 
 pytest_plugins = ["pytester"]
+
+# scripts/check.sh (CI) runs with --hypothesis-profile=ci: the same examples on every run, so a
+# red CI is a change's doing. A plain `pytest` draws new examples each run (the default profile).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 
 _names = itertools.count()
 
