@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from pytest_mock import MockerFixture
 
 from attn_di.backend import AttentionBackend, AttentionMetadataBuilder
 from attn_di.backends.cpu_attn import CPUAttentionImpl
@@ -108,6 +109,64 @@ def test_block_number_outside_cache(
 
     with pytest.raises(InvalidInputError, match=r"block_table: holds block numbers outside"):
         _forward(backend_cls, opts, batch)
+
+
+@pytest.mark.parametrize(
+    ("name", "corrupt", "message"),
+    [
+        ("slot_mapping", lambda t: t.fill_(1 << 20), "slot_mapping: slot 1048576 is outside"),
+        ("block_table", lambda t: t.fill_(10_000), "block_table: holds block numbers outside"),
+        ("seq_lens", lambda t: t.zero_(), "seq_lens: .* shorter than query lengths"),
+        ("query_start_loc", lambda t: t.fill_(5), "query_start_loc: .* must rise from 0"),
+    ],
+)
+def test_metadata_written_in_place_after_a_forward_is_checked_again(
+    backend_cls: type[AttentionBackend],
+    opts: Options,
+    batch: Batch,
+    name: str,
+    corrupt: Callable[[torch.Tensor], object],
+    message: str,
+) -> None:
+    """The index checks pass once per metadata object; an in-place write makes them run again."""
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    args = (batch.query, batch.key, batch.value, batch.kv_cache)
+    impl.forward(None, *args, batch.metadata)  # checked and remembered
+    corrupt(getattr(batch.metadata, name))
+    before = batch.kv_cache.clone()
+
+    with pytest.raises(InvalidInputError, match=message):
+        impl.forward(None, *args, batch.metadata)
+    assert not bool(differs(batch.kv_cache, before).any())
+
+
+def test_layers_sharing_metadata_check_its_indices_once(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch, mocker: MockerFixture
+) -> None:
+    """Layers of one step share the metadata: its index checks run for the first layer only."""
+    from attn_di.backends import _common
+
+    spy = mocker.spy(_common, "_check_metadata")
+    impls = [backend_cls.get_impl_cls()(**opts.impl_kwargs()) for _ in range(3)]
+    caches = [batch.kv_cache.clone() for _ in impls]
+    for impl, kv_cache in zip(impls, caches, strict=True):
+        impl.forward(None, batch.query, batch.key, batch.value, kv_cache, batch.metadata)
+    assert spy.call_count == 1
+
+
+def test_metadata_checked_against_each_cache(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """Metadata that fit one cache is checked again against a smaller one (and a new tensor)."""
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    args = (batch.query, batch.key, batch.value)
+    impl.forward(None, *args, batch.kv_cache, batch.metadata)
+    small = torch.zeros(2, 1, 16, 2, 64)
+    with pytest.raises(InvalidInputError, match=r"slot_mapping: slot .* is outside the cache"):
+        impl.forward(None, *args, small, batch.metadata)
+    batch.metadata.block_table = torch.full_like(batch.metadata.block_table, 10_000)
+    with pytest.raises(InvalidInputError, match="block_table: holds block numbers outside"):
+        impl.forward(None, *args, batch.kv_cache, batch.metadata)
 
 
 def test_kv_cache_shape(backend_cls: type[AttentionBackend], opts: Options, batch: Batch) -> None:

@@ -135,7 +135,55 @@ def check_inputs(
     if uses_cache(impl):
         _check_cache_autograd(kv_cache)
     _check_metadata_devices(metadata, query.device)
-    _check_metadata(impl, kv_cache, metadata, num_tokens)
+    stamp = _metadata_stamp(impl, kv_cache, metadata, num_tokens)
+    if stamp is None or not _same_stamp(metadata.__dict__.get(_STAMP), stamp):
+        _check_metadata(impl, kv_cache, metadata, num_tokens)
+        if stamp is not None:
+            metadata.__dict__[_STAMP] = stamp
+
+
+# The attribute under which a metadata object remembers the last check it passed.
+_STAMP = "_attn_di_checked"
+_Stamp = tuple[tuple[torch.Tensor, ...], tuple[object, ...]]
+
+
+def _metadata_stamp(
+    impl: AttentionImpl, kv_cache: torch.Tensor, metadata: AttentionMetadata, num_tokens: int
+) -> _Stamp | None:
+    """What :func:`_check_metadata`'s verdict depends on, or None where that cannot be known.
+
+    A model's layers share one metadata object per step (vLLM builds it once per batch), so
+    the index checks (a dozen small tensor ops, which cost more than a decode step's attention
+    at short lengths) run once per step, not once per layer. The stamp holds the metadata's
+    tensors themselves (compared by identity) and their version counters, so writing one in
+    place, or replacing one, checks again. Inference tensors have no version counter: metadata
+    built under ``torch.inference_mode()`` is checked once per (cache shape, token count) and
+    must not be changed in place afterwards (build new metadata for a new batch, as vLLM's
+    builders do). Objects without a ``__dict__`` are checked on every call.
+    """
+    if not hasattr(metadata, "__dict__"):
+        return None
+    tensors = (
+        metadata.query_start_loc, metadata.seq_lens, metadata.block_table, metadata.slot_mapping
+    )  # fmt: skip
+    return tensors, (
+        tuple(None if t.is_inference() else t._version for t in tensors),
+        metadata.num_actual_tokens,
+        num_tokens,
+        uses_cache(impl),
+        impl.num_kv_heads,
+        impl.head_size,
+        tuple(kv_cache.shape),
+        kv_cache.stride(),
+    )
+
+
+def _same_stamp(stored: object, stamp: _Stamp) -> bool:
+    """Whether ``stored`` is ``stamp``: the same tensor objects (by identity) and facts."""
+    if not isinstance(stored, tuple):
+        return False
+    tensors, facts = stored
+    return all(a is b for a, b in zip(tensors, stamp[0], strict=True)) and facts == stamp[1]
 
 
 def _check_cache_autograd(kv_cache: torch.Tensor) -> None:
