@@ -1,6 +1,7 @@
 """CPU_ATTN's compiled decode kernel against its pure-torch path, contiguous SDPA and the floor.
 
-Shapes (32 query / 8 KV heads, head size 128, block size 16, shuffled block tables):
+Shapes (32 query / 8 KV heads, head size 128 unless said; block size 16, shuffled block
+tables):
 
 * ``decode``: batch 8, context 2048 (the shape of ``bench_backends.py``);
 * ``long``: batch 1, context 32768;
@@ -10,7 +11,9 @@ Shapes (32 query / 8 KV heads, head size 128, block size 16, shuffled block tabl
   pure-torch path whole, so both rows run the same code: a check that mixed batches are no
   slower than before);
 * ``spec``: batch 8, context 2048, 4 query tokens per sequence (chunked decode /
-  speculative decoding), against the pure-torch path.
+  speculative decoding), against the pure-torch path;
+* ``smollm2``: batch 4, context 544, 9 query / 3 KV heads of 64 (GQA groups of 3):
+  SmolLM2-135M's decode in ``bench_transformers.py``.
 
 Contenders run round-robin (one call each per round, after a warm-up call), so load from
 other processes falls on all alike; the table gives medians and ratios within this run.
@@ -28,6 +31,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -37,14 +41,31 @@ from attn_di.backend import AttentionMetadataBuilder
 from attn_di.backends import _cpu_kernel
 from attn_di.backends.cpu_attn import CPUAttentionImpl
 
-HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
-SHAPES: dict[str, tuple[int, int, int, int]] = {
-    # name: (batch, context, query tokens of the "prefill" half, query tokens of the others)
-    "decode": (8, 2048, 1, 1),
-    "long": (1, 32768, 1, 1),
-    "wide": (32, 512, 1, 1),
-    "spec": (8, 2048, 4, 4),
-    "mixed": (8, 2048, 128, 1),
+BLOCK_SIZE = 16
+
+
+class Shape(NamedTuple):
+    """A benchmark batch: every sequence has ``context`` tokens; the even-numbered ones query
+    ``long_q`` of them, the others ``short_q``."""
+
+    batch: int
+    context: int
+    long_q: int
+    short_q: int
+    heads: int = 32
+    kv_heads: int = 8
+    head_size: int = 128
+
+
+SHAPES: dict[str, Shape] = {
+    "decode": Shape(8, 2048, 1, 1),
+    "long": Shape(1, 32768, 1, 1),
+    "wide": Shape(32, 512, 1, 1),
+    "spec": Shape(8, 2048, 4, 4),
+    "mixed": Shape(8, 2048, 128, 1),
+    # SmolLM2-135M's attention (9 query / 3 KV heads of 64: GQA groups of 3) in
+    # bench_transformers.py's decode: batch 4, 512-token prompts plus up to 64 new tokens.
+    "smollm2": Shape(4, 544, 1, 1, heads=9, kv_heads=3, head_size=64),
 }
 
 
@@ -69,11 +90,11 @@ def pure_torch(fn: Callable[[], object]) -> object:
 
 def contenders_for(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     """The callables of one shape and dtype."""
-    batch, context, long_q, short_q = SHAPES[shape]
+    batch, context, long_q, short_q, heads, kv_heads, head_size = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     num_blocks = batch * context // BLOCK_SIZE
     kv_cache = torch.randn(
-        (2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_SIZE), generator=gen, dtype=torch.float32
+        (2, num_blocks, BLOCK_SIZE, kv_heads, head_size), generator=gen, dtype=torch.float32
     ).to(dtype)
     block_table = torch.randperm(num_blocks, generator=gen).view(batch, -1).int()
     query_lens = [long_q if i % 2 == 0 else short_q for i in range(batch)]
@@ -81,22 +102,22 @@ def contenders_for(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], obj
         query_lens, [context] * batch, block_table
     )
     tokens = sum(query_lens)
-    query = torch.randn(tokens, HEADS, HEAD_SIZE, generator=gen).to(dtype)
-    key = torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
-    value = torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
-    output = torch.empty(tokens, HEADS * HEAD_SIZE, dtype=dtype)
-    impl = CPUAttentionImpl(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
+    query = torch.randn(tokens, heads, head_size, generator=gen).to(dtype)
+    key = torch.randn(tokens, kv_heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(tokens, kv_heads, head_size, generator=gen).to(dtype)
+    output = torch.empty(tokens, heads * head_size, dtype=dtype)
+    impl = CPUAttentionImpl(heads, head_size, head_size**-0.5, kv_heads)
     forward = functools.partial(impl.forward, None, query, key, value, kv_cache, metadata, output)
     contenders: dict[str, Callable[[], object]] = {
         "CPU_ATTN kernel (paged)": forward,
         "CPU_ATTN pure torch (paged)": functools.partial(pure_torch, forward),
     }
     if long_q == short_q == 1:
-        k_contig = kv_cache[0][block_table.long()].view(batch, context, KV_HEADS, HEAD_SIZE)
-        v_contig = kv_cache[1][block_table.long()].view(batch, context, KV_HEADS, HEAD_SIZE)
+        k_contig = kv_cache[0][block_table.long()].view(batch, context, kv_heads, head_size)
+        v_contig = kv_cache[1][block_table.long()].view(batch, context, kv_heads, head_size)
         k_contig = k_contig.transpose(1, 2).contiguous()
         v_contig = v_contig.transpose(1, 2).contiguous()
-        q_folded = query.view(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_SIZE)
+        q_folded = query.view(batch, kv_heads, heads // kv_heads, head_size)
         contenders["SDPA contiguous, GQA folded (peer)"] = functools.partial(
             F.scaled_dot_product_attention, q_folded, k_contig, v_contig
         )
@@ -123,10 +144,10 @@ def main() -> None:
     print(f"CPU_ATTN decode: {status.describe()} | load average: {os.getloadavg()[0]:.2f}")
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     for shape in args.only.split(","):
-        batch, context, long_q, short_q = SHAPES[shape]
+        batch, context, long_q, short_q, heads, kv_heads, head_size = SHAPES[shape]
         print(
             f"\n{shape}: batch {batch}, context {context}, query tokens {long_q}/{short_q}, "
-            f"heads {HEADS}/{KV_HEADS}, head size {HEAD_SIZE}, block size {BLOCK_SIZE}"
+            f"heads {heads}/{kv_heads}, head size {head_size}, block size {BLOCK_SIZE}"
         )
         results = {dtype: medians(contenders_for(shape, dtype), args.rounds) for dtype in dtypes}
         header = f"{'contender':<38}"
