@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #ifndef ATTN_DI_KERNEL_ISA
@@ -302,6 +303,21 @@ inline bool full_tile(const Sequence& s, const Options& o, int64_t first, int64_
   return hi_first == s.q_len && lo_last == 0;
 }
 
+// Calls f(std::integral_constant<int, NR>{}, h) over the G query heads of one KV head in
+// groups of NR = 4, then one group of the 1-3 left: every key or value vector loaded once
+// serves the whole group (G = 3, 5, 6, 7 are common: SmolLM2 9/3, Qwen2.5 14/2).
+template <typename F>
+inline void for_head_groups(int64_t G, F&& f) {
+  int64_t h = 0;
+  for (; h + 4 <= G; h += 4) f(std::integral_constant<int, 4>{}, h);
+  switch (G - h) {
+    case 3: f(std::integral_constant<int, 3>{}, h); break;
+    case 2: f(std::integral_constant<int, 2>{}, h); break;
+    case 1: f(std::integral_constant<int, 1>{}, h); break;
+    default: break;
+  }
+}
+
 // Tokens per tile: rows whose pointers are resolved together and read register-blocked.
 constexpr int64_t kTile = 16;
 
@@ -384,9 +400,9 @@ struct Kernel {
             for (int64_t t = 0; t < nt; ++t) head_rows[t] = tile_rows[t] + g * D;
             const int64_t r0 = i * H + g * G;
             float* out = scores + j0 * rows + r0;
-            int64_t h = 0;
-            for (; h + 4 <= G; h += 4) score_tile<T, 4>(head_rows, nt, q + (r0 + h) * D, D, out + h, rows);
-            for (; h < G; ++h) score_tile<T, 1>(head_rows, nt, q + (r0 + h) * D, D, out + h, rows);
+            for_head_groups(G, [&](auto nr, int64_t h) {
+              score_tile<T, decltype(nr)::value>(head_rows, nt, q + (r0 + h) * D, D, out + h, rows);
+            });
           }
         if (o.soft_cap > 0.f || o.alibi != nullptr)
           for (int64_t t = 0; t < nt; ++t) modify_scores(j0 + t, 0, rows);
@@ -406,9 +422,9 @@ struct Kernel {
           for (int64_t g = 0; g < o.kv_heads; ++g) {
             const float* kg = k + g * D;
             const int64_t r0 = i * H + g * G;
-            int64_t h = 0;
-            for (; h + 4 <= G; h += 4) dot_rows<4>(kg, q + (r0 + h) * D, D, D, sj + r0 + h);
-            for (; h < G; ++h) dot_rows<1>(kg, q + (r0 + h) * D, D, D, sj + r0 + h);
+            for_head_groups(G, [&](auto nr, int64_t h) {
+              dot_rows<decltype(nr)::value>(kg, q + (r0 + h) * D, D, D, sj + r0 + h);
+            });
           }
         modify_scores(j, r_lo, r_hi);
       }
@@ -449,9 +465,9 @@ struct Kernel {
             for (int64_t t = 0; t < nt; ++t) head_rows[t] = tile_rows[t] + g * D;
             const int64_t r0 = i * H + g * G;
             const float* pj = scores + j0 * rows + r0;
-            int64_t h = 0;
-            for (; h + 4 <= G; h += 4) value_tile<T, 4>(head_rows, nt, pj + h, rows, acc + (r0 + h) * D, D);
-            for (; h < G; ++h) value_tile<T, 1>(head_rows, nt, pj + h, rows, acc + (r0 + h) * D, D);
+            for_head_groups(G, [&](auto nr, int64_t h) {
+              value_tile<T, decltype(nr)::value>(head_rows, nt, pj + h, rows, acc + (r0 + h) * D, D);
+            });
           }
         continue;
       }
@@ -466,9 +482,9 @@ struct Kernel {
           for (int64_t g = 0; g < o.kv_heads; ++g) {
             const float* vg = v + g * D;
             const int64_t r0 = i * H + g * G;
-            int64_t h = 0;
-            for (; h + 4 <= G; h += 4) axpy_rows<4>(vg, pj + r0 + h, acc + (r0 + h) * D, D, D);
-            for (; h < G; ++h) axpy_rows<1>(vg, pj + r0 + h, acc + (r0 + h) * D, D, D);
+            for_head_groups(G, [&](auto nr, int64_t h) {
+              axpy_rows<decltype(nr)::value>(vg, pj + r0 + h, acc + (r0 + h) * D, D, D);
+            });
           }
       }
     }
