@@ -323,8 +323,55 @@ constexpr int64_t kTile = 16;
 
 // Per-thread scratch, grown as needed and reused across items.
 struct Scratch {
-  std::vector<float> queries, scores, acc, key_row, value_row;
+  std::vector<float> queries, scores, acc, key_row, value_row, pattern;
 };
+
+// Softmax numerators of a token-major score block (scores[j * rows + r], n keys) in place:
+// per row r its max over the keys into row_max[r], then e = exp(s - max) in place and its
+// sum into row_sum[r] (row_max and row_sum start at -inf and 0). A row whose scores are all
+// -inf is shifted by 0 and sums to 0.
+//
+// The block is swept as one flat array of full vectors. Element i belongs to row i % rows,
+// so the rows of the lanes repeat with period P = lcm(rows, kLanes): one period's worth of
+// running maxima / shifts / sums (`pattern`, 2P floats) serves every period. With rows a
+// multiple of kLanes (32 heads) this is the row-major sweep; with 9 heads (SmolLM2) it
+// avoids a scalar exp per score.
+inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* row_max,
+                               float* row_sum, std::vector<float>& pattern) {
+  const int64_t total = n * rows;
+  const int64_t period = std::lcm(rows, kLanes);
+  const int64_t periods = total / period;
+  const int64_t swept = periods * period;
+  pattern.assign(2 * period, kNegInf);
+  float* lanes = pattern.data();       // running max, then the shift, per lane of a period
+  float* sums = lanes + period;        // running sum per lane of a period
+  for (int64_t c = 0; c < periods; ++c) {
+    const float* block = scores + c * period;
+    for (int64_t k = 0; k < period; k += kLanes)
+      at::vec::maximum(fVec::loadu(lanes + k), fVec::loadu(block + k)).store(lanes + k);
+  }
+  for (int64_t p = 0; p < std::min(period, total); ++p)
+    row_max[p % rows] = std::max(row_max[p % rows], lanes[p]);
+  for (int64_t i = swept; i < total; ++i) row_max[i % rows] = std::max(row_max[i % rows], scores[i]);
+  for (int64_t p = 0; p < period; ++p) {
+    const float peak = row_max[p % rows];
+    lanes[p] = peak == kNegInf ? 0.f : peak;
+    sums[p] = 0.f;
+  }
+  for (int64_t c = 0; c < periods; ++c) {
+    float* block = scores + c * period;
+    for (int64_t k = 0; k < period; k += kLanes) {
+      const fVec e = (fVec::loadu(block + k) - fVec::loadu(lanes + k)).exp_u20();
+      e.store(block + k);
+      (fVec::loadu(sums + k) + e).store(sums + k);
+    }
+  }
+  for (int64_t p = 0; p < std::min(period, total); ++p) row_sum[p % rows] += sums[p];
+  for (int64_t i = swept; i < total; ++i) {
+    scores[i] = std::exp(scores[i] - lanes[i % rows]);
+    row_sum[i % rows] += scores[i];
+  }
+}
 
 template <typename T>
 struct Kernel {
@@ -429,30 +476,9 @@ struct Kernel {
         modify_scores(j, r_lo, r_hi);
       }
     }
-    // Softmax numerators in place: per row, its max over the keys, then exp(s - max) and sum,
-    // vectorised across rows (a row without a visible key keeps max -inf and sum 0).
-    std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), row_shift(rows);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* sj = scores + j * rows;
-      int64_t r = 0;
-      for (; r + kLanes <= rows; r += kLanes)
-        at::vec::maximum(fVec::loadu(row_max.data() + r), fVec::loadu(sj + r)).store(row_max.data() + r);
-      for (; r < rows; ++r) row_max[r] = std::max(row_max[r], sj[r]);
-    }
-    for (int64_t r = 0; r < rows; ++r) row_shift[r] = row_max[r] == kNegInf ? 0.f : row_max[r];
-    for (int64_t j = 0; j < n; ++j) {
-      float* sj = scores + j * rows;
-      int64_t r = 0;
-      for (; r + kLanes <= rows; r += kLanes) {
-        const fVec e = (fVec::loadu(sj + r) - fVec::loadu(row_shift.data() + r)).exp_u20();
-        e.store(sj + r);
-        (fVec::loadu(row_sum.data() + r) + e).store(row_sum.data() + r);
-      }
-      for (; r < rows; ++r) {
-        sj[r] = std::exp(sj[r] - row_shift[r]);
-        row_sum[r] += sj[r];
-      }
-    }
+    // Softmax numerators in place (a row without a visible key keeps max -inf and sum 0).
+    std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f);
+    softmax_numerators(scores, n, rows, row_max.data(), row_sum.data(), sc.pattern);
     // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only.
     for (int64_t j0 = 0; j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
