@@ -300,7 +300,12 @@ class AttentionImpl(abc.ABC):
             kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` (see
                 :meth:`AttentionBackend.get_kv_cache_shape`); may be empty for
                 ``encoder_only``.
-            attn_metadata: the batch's :class:`AttentionMetadata`.
+            attn_metadata: the batch's :class:`AttentionMetadata`. attn_di's backends check
+                its indices against the cache once per metadata object, cache shape and
+                token count (the layers of one step share it, as in vLLM); a tensor of it
+                written in place is checked again, except inference tensors (made under
+                ``torch.inference_mode()``), which have no version counter: build new
+                metadata rather than editing one after use.
             output: optional ``[N, H * D]`` buffer to write into.
 
         Returns:
