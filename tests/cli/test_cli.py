@@ -283,6 +283,37 @@ def test_a_bad_option_points_to_its_subcommands_help(args: list[str], hint: str)
 
 
 @pytest.mark.parametrize(
+    ("args", "error", "hint"),
+    [
+        (["--registr", "X=mod:Cls"], "unrecognized arguments: --registr",
+         "did you mean --register? see `attn-di --help`"),
+        (["--registr", "X=mod:Cls", "run"], "unrecognized arguments: --registr",
+         "did you mean --register? see `attn-di run --help`"),
+        (["run", "--registr", "X=mod:Cls"], "unrecognized arguments: --registr X=mod:Cls",
+         "did you mean --register? see `attn-di run --help`"),
+        (["--imprt", "my_pkg", "list"], "unrecognized arguments: --imprt",
+         "did you mean --import? see `attn-di list --help`"),
+        (["run", "--versin"], "unrecognized arguments: --versin",
+         "did you mean --version (before `run`)? see `attn-di --help`"),
+        (["--bogus"], "unrecognized arguments: --bogus", "see `attn-di --help`"),
+    ],
+)  # fmt: skip
+def test_a_global_option_typo_suggests_the_option(args: list[str], error: str, hint: str) -> None:
+    """A typo of --register, --import or --version, before or after the command, is named
+    and the closest option among attn-di's own and the command's is suggested."""
+    result = attn_di(*args)
+    assert result.returncode == 2
+    assert error_and_hint(result) == (error, hint)
+
+
+def test_a_missing_option_value_is_not_taken_for_a_typo() -> None:
+    """--import followed by an option keeps argparse's own message (the value is missing)."""
+    result = attn_di("--import", "-x", "list")
+    assert result.returncode == 2
+    assert error_and_hint(result)[0] == "argument --import: expected one argument"
+
+
+@pytest.mark.parametrize(
     ("args", "hint"),
     [
         (["run", "--batch", "0"], "e.g. --batch 8"),
