@@ -271,6 +271,22 @@ def test_unknown_env_value_is_never_ignored(
         select_backend(CONFIG, device="cpu")
 
 
+def test_all_from_the_env_is_refused_without_a_far_fetched_suggestion(
+    monkeypatch: pytest.MonkeyPatch, cpu_fakes: dict[AttentionBackendEnum, type]
+) -> None:
+    """ATTN_DI_BACKEND=All: no "did you mean" (PALLAS is spelled with 'all'), the hint names
+    the one command that takes `all`, and the message lists the member names."""
+    monkeypatch.setenv("ATTN_DI_BACKEND", "All")
+    with pytest.raises(UnknownBackendError) as caught:
+        select_backend(CONFIG, device="cpu")
+    error = caught.value
+    assert error.suggestion is None
+    assert "Valid options are: FLASH_ATTN, " in str(error)
+    assert "CPU_ATTN, CUSTOM" in str(error)
+    assert "`all` is accepted only by `attn-di run --backend all`" in str(error.hint)
+    assert "did you mean" not in str(error)
+
+
 def test_precedence(
     monkeypatch: pytest.MonkeyPatch, cpu_fakes: dict[AttentionBackendEnum, type]
 ) -> None:

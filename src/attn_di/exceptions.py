@@ -65,6 +65,17 @@ def closest_name(name: str, choices: Iterable[str]) -> str | None:
     return by_upper[matches[0]] if matches else None
 
 
+ALL_BACKENDS_COMMAND = "attn-di run --backend all"
+"""The one place where ``all`` names a set of backends rather than a member."""
+
+
+def _asks_for_all(name: object, choices: Sequence[str]) -> bool:
+    """``name`` is ``all`` (any case), and no member is called so."""
+    if not isinstance(name, str) or name.strip().lower() != "all":
+        return False
+    return all(choice.lower() != "all" for choice in choices)
+
+
 class AttnDIError(Exception):
     """Base class of every error attn_di raises.
 
@@ -111,7 +122,14 @@ class UnknownBackendError(AttnDIError, ValueError, KeyError):
         self.looked_up = looked_up
         self.enum = enum
         self.suggestion = closest_name(name, self.choices) if isinstance(name, str) else None
-        if self.suggestion:
+        if looked_up == "name" and _asks_for_all(name, self.choices):
+            # "all" spells no member (PALLAS is not what was meant): it is the CLI's word.
+            self.suggestion = None
+            self.hint = (
+                f"`all` is accepted only by `{ALL_BACKENDS_COMMAND}`; "
+                "elsewhere give one backend name (see `attn-di list`)"
+            )
+        elif self.suggestion:
             self.hint = f"did you mean {self.suggestion!r}?"
         elif looked_up == "class path":
             self.hint = f"look members up by name: {enum}['NAME']"

@@ -365,6 +365,33 @@ def test_an_unknown_name_in_attn_di_backend_names_the_variable(command: list[str
     )
 
 
+@pytest.mark.parametrize("value", ["all", "ALL"])
+@pytest.mark.parametrize("command", [["run"], ["select", "--head-size", "64", "--dtype", "bf16"]])
+def test_all_in_attn_di_backend_says_where_all_is_accepted(command: list[str], value: str) -> None:
+    """ATTN_DI_BACKEND=all: no far-fetched suggestion; the hint says only `attn-di run
+    --backend all` takes it, and the error lists the member names."""
+    result = attn_di(*command, ATTN_DI_BACKEND=value)
+    assert result.returncode == 2
+    error, hint = error_and_hint(result)
+    assert error.startswith(f"ATTN_DI_BACKEND={value!r}: Unknown attention backend: {value!r}.")
+    assert "Valid options are: FLASH_ATTN, " in error
+    assert "CPU_ATTN" in error
+    assert hint == (
+        "`all` is accepted only by `attn-di run --backend all`, not by ATTN_DI_BACKEND: "
+        "set it to one backend name or unset it; `attn-di list` shows every backend"
+    )
+    assert "PALLAS?" not in result.stderr
+
+
+def test_backend_all_outside_run_says_where_all_is_accepted() -> None:
+    """select --backend all: the hint names `attn-di run --backend all`, no suggestion."""
+    result = attn_di("select", "--head-size", "64", "--dtype", "bf16", "--backend", "all")
+    assert result.returncode == 2
+    assert error_and_hint(result)[1] == (
+        "`all` is accepted only by `attn-di run --backend all`; `attn-di list` shows every backend"
+    )
+
+
 def test_a_backend_refused_from_attn_di_backend_says_so() -> None:
     """ATTN_DI_BACKEND=FLASH_ATTN on this CPU: the refusal and its hint name the variable."""
     result = attn_di("run", "--iters", "1", ATTN_DI_BACKEND="FLASH_ATTN")

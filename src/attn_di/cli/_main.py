@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from attn_di.cli._output import print_error
 from attn_di.exceptions import (
+    ALL_BACKENDS_COMMAND,
     AttnDIError,
     BackendRejectedError,
     InvalidInputError,
@@ -429,8 +430,12 @@ def _canonical_dtype(text: str) -> str:
 
 def _unknown_backend_hint(exc: UnknownBackendError, variable: str | None = None) -> str:
     """The CLI's hint for an unknown name: the closest one, and CLI commands (not Python)."""
-    if str(exc.name).strip().lower() == "all" and variable is None:
-        return "`all` is for attn-di run; `attn-di list` shows every backend"
+    if str(exc.name).strip().lower() == "all":
+        where = f", not by {variable}: set it to one backend name or unset it" if variable else ""
+        return (
+            f"`all` is accepted only by `{ALL_BACKENDS_COMMAND}`{where}; "
+            "`attn-di list` shows every backend"
+        )
     if variable is not None:
         advice = (
             f"did you mean {variable}={exc.suggestion}? "
