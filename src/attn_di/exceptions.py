@@ -99,14 +99,15 @@ class AttnDIError(Exception):
 class UnknownBackendError(AttnDIError, ValueError, KeyError):
     """A backend name that is not a member of the enum.
 
-    The message starts as vLLM's does ("Unknown attention backend: 'X'. Valid options are:
-    ..."), so code matching vLLM's text keeps working.
+    The message starts with the enum family's phrase, as vLLM's does ("Unknown attention
+    backend: 'X'. Valid options are: ..."), so code matching vLLM's text keeps working.
 
     Attributes:
         name: the name asked for, as given.
         choices: every valid member name, in enum order.
         suggestion: the closest valid name, or None.
         enum: the enum's class name.
+        phrase: how the message begins (the family's ``unknown_phrase``).
     """
 
     def __init__(
@@ -115,12 +116,14 @@ class UnknownBackendError(AttnDIError, ValueError, KeyError):
         choices: Sequence[str],
         looked_up: str = "name",
         enum: str = "AttentionBackendEnum",
+        phrase: str = "Unknown attention backend",
     ) -> None:
-        super().__init__(name, tuple(choices), looked_up, enum)
+        super().__init__(name, tuple(choices), looked_up, enum, phrase)
         self.name = name
         self.choices = tuple(choices)
         self.looked_up = looked_up
         self.enum = enum
+        self.phrase = phrase
         self.suggestion = closest_name(name, self.choices) if isinstance(name, str) else None
         if looked_up == "name" and _asks_for_all(name, self.choices):
             # "all" spells no member (PALLAS is not what was meant): it is the CLI's word.
@@ -140,10 +143,10 @@ class UnknownBackendError(AttnDIError, ValueError, KeyError):
         valid = ", ".join(self.choices)
         if self.looked_up == "class path":
             return (
-                f"Unknown attention backend class path: {self.name!r} is the default of no "
+                f"{self.phrase} class path: {self.name!r} is the default of no "
                 f"{self.enum} member. Valid options are: {valid}"
             )
-        return f"Unknown attention backend: {self.name!r}. Valid options are: {valid}"
+        return f"{self.phrase}: {self.name!r}. Valid options are: {valid}"
 
 
 class BackendNotRegisteredError(AttnDIError, ValueError):
