@@ -305,8 +305,9 @@ def _is_negative_number(word: str) -> bool:
 def _unknown_option_hint(parser: argparse.ArgumentParser, wrong: str, given: Sequence[str]) -> str:
     """The closest option among attn-di's own and the command's (the first command word in
     ``given``), and the help that documents it."""
-    command_name = next((word for word in given if word in _commands(parser)), None)
-    command = _commands(parser)[command_name] if command_name else None
+    commands = _commands(parser)
+    command_name = next((word for word in given if word in commands), None)
+    command = commands[command_name] if command_name else None
     command_options = _options(command) if command is not None else []
     global_options = _options(parser)
     close = closest_name(wrong.split("=", 1)[0], [*command_options, *global_options])
