@@ -85,6 +85,28 @@ def test_unknown_name_suggests_the_right_case() -> None:
     assert caught.value.suggestion == "FLASH_ATTN"
 
 
+@pytest.mark.parametrize("name", ["all", "ALL", " All "])
+def test_all_is_not_a_member_and_suggests_none(name: str) -> None:
+    """Enum["all"]: vLLM's message, no suggestion (PALLAS only contains 'all'), and a hint
+    naming the one command where `all` means every backend."""
+    with pytest.raises(UnknownBackendError) as caught:
+        AttentionBackendEnum[name]
+    assert str(caught.value).startswith(f"Unknown attention backend: {name!r}. Valid options")
+    assert caught.value.suggestion is None
+    assert caught.value.hint == (
+        "`all` is accepted only by `attn-di run --backend all`; "
+        "elsewhere give one backend name (see `attn-di list`)"
+    )
+
+
+def test_a_member_called_all_is_looked_up_normally() -> None:
+    """Once a runtime member named ``all`` exists, a near miss is suggested as usual."""
+    AttentionBackendEnum.register("all", "collections.OrderedDict")  # removed by conftest
+    with pytest.raises(UnknownBackendError) as caught:
+        AttentionBackendEnum["ALL"]
+    assert caught.value.suggestion == "all"
+
+
 def test_unknown_name_without_anything_close() -> None:
     """A name close to nothing gets no suggestion and a hint on how to add members."""
     with pytest.raises(UnknownBackendError) as caught:

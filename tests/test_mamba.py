@@ -197,3 +197,50 @@ def _clean_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("ATTN_DI_")}
+
+
+def test_an_unknown_mamba_name_keeps_vllms_phrase() -> None:
+    """M["X"]: vLLM's Mamba enum shares the attention enum's metaclass, so the message begins
+    "Unknown attention backend" there too; it lists Mamba names only and suggests one."""
+    with pytest.raises(UnknownBackendError) as caught:
+        M["MAMBA3"]
+    error = caught.value
+    assert isinstance(error, ValueError)
+    assert error.phrase == "Unknown attention backend"
+    assert error.message() == (
+        "Unknown attention backend: 'MAMBA3'. Valid options are: "
+        "MAMBA1, MAMBA2, SHORT_CONV, LINEAR, GDN_ATTN, CUSTOM"
+    )
+    assert error.suggestion == "MAMBA2"
+    with pytest.raises(UnknownBackendError, match=r"^Unknown attention backend: 'FLASH_ATTN'\."):
+        M["FLASH_ATTN"]
+
+
+def test_the_unknown_name_phrase_is_the_familys() -> None:
+    """The phrase comes from the family: a family without a vLLM wording to keep says
+    "Unknown <label>", for names and for class paths; the attention enum keeps vLLM's."""
+    from attn_di._enum import ATTENTION, MAMBA
+    from attn_di._family import _FAMILIES, BackendEnum, BackendFamily
+
+    class ThirdBackendEnum(BackendEnum):
+        """A throwaway third enum."""
+
+        ONLY = "collections.OrderedDict"
+
+    family = BackendFamily(ThirdBackendEnum, "third", "third-kind backend")
+    try:
+        assert (ATTENTION.unknown_phrase, MAMBA.unknown_phrase) == (
+            "Unknown attention backend",
+            "Unknown attention backend",
+        )
+        assert family.unknown_phrase == "Unknown third-kind backend"
+        with pytest.raises(UnknownBackendError) as by_name:
+            ThirdBackendEnum["NOPE"]
+        assert by_name.value.message() == (
+            "Unknown third-kind backend: 'NOPE'. Valid options are: ONLY"
+        )
+        with pytest.raises(UnknownBackendError) as by_path:
+            ThirdBackendEnum("x.y.Z")
+        assert by_path.value.message().startswith("Unknown third-kind backend class path: ")
+    finally:
+        del _FAMILIES[ThirdBackendEnum]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from dependency_injector import providers
@@ -17,6 +18,7 @@ from attn_di import (
     AttnDIError,
     BackendContainer,
     BackendRejectedError,
+    InvalidBackendTypeError,
     NoValidBackendError,
     UnknownBackendError,
     force_backend,
@@ -269,6 +271,22 @@ def test_unknown_env_value_is_never_ignored(
     monkeypatch.setenv("ATTN_DI_BACKEND", "cpu_atn")
     with pytest.raises(UnknownBackendError, match="did you mean 'CPU_ATTN'"):
         select_backend(CONFIG, device="cpu")
+
+
+def test_all_from_the_env_is_refused_without_a_far_fetched_suggestion(
+    monkeypatch: pytest.MonkeyPatch, cpu_fakes: dict[AttentionBackendEnum, type]
+) -> None:
+    """ATTN_DI_BACKEND=All: no "did you mean" (PALLAS is spelled with 'all'), the hint names
+    the one command that takes `all`, and the message lists the member names."""
+    monkeypatch.setenv("ATTN_DI_BACKEND", "All")
+    with pytest.raises(UnknownBackendError) as caught:
+        select_backend(CONFIG, device="cpu")
+    error = caught.value
+    assert error.suggestion is None
+    assert "Valid options are: FLASH_ATTN, " in str(error)
+    assert "CPU_ATTN, CUSTOM" in str(error)
+    assert "`all` is accepted only by `attn-di run --backend all`" in str(error.hint)
+    assert "did you mean" not in str(error)
 
 
 def test_precedence(
@@ -556,3 +574,85 @@ def test_example_engine_receives_the_selected_backend(
         assert [len(tokens) for tokens in result.tokens] == [3, 3]
     finally:
         container.unwire()
+
+
+class ModelledSelectorConfig(NamedTuple):
+    """A NamedTuple with the fields attn_di models, in vLLM's selector-config layout."""
+
+    head_size: int
+    dtype: Any
+    kv_cache_dtype: str | None
+    block_size: int | None
+    use_mla: bool = False
+    has_sink: bool = False
+    use_sparse: bool = False
+    attn_type: str = "decoder"
+
+
+class VllmSelectorConfig(NamedTuple):
+    """vLLM's ``AttentionSelectorConfig`` field set (vllm/v1/attention/selector.py), with the
+    flags attn_di does not model (multimodal prefix, per-head quant scales, non-causal)."""
+
+    head_size: int
+    dtype: Any
+    kv_cache_dtype: str | None
+    block_size: int | None
+    use_mla: bool = False
+    has_sink: bool = False
+    use_sparse: bool = False
+    use_mm_prefix: bool = False
+    use_per_head_quant_scales: bool = False
+    attn_type: str = "decoder"
+    use_non_causal: bool = False
+
+
+def test_select_backend_accepts_a_named_tuple(cpu_fakes: dict[AttentionBackendEnum, type]) -> None:
+    """A NamedTuple of the modelled fields selects like the equivalent config (None cache
+    dtype read as "auto"), and a collections.namedtuple works too."""
+    selection = select_backend(ModelledSelectorConfig(64, "bf16", None, 16), device="cpu")
+    expected = AttentionSelectorConfig(head_size=64, dtype="bfloat16", block_size=16)
+    assert selection.config == expected
+    assert selection.backend is select_backend(expected, device="cpu").backend
+    plain = collections.namedtuple("plain", ["head_size", "dtype", "backend"])
+    forced = select_backend(plain(64, "float32", "torch_sdpa"), device="cpu")
+    assert forced.backend is E.TORCH_SDPA
+    assert forced.origin == "backend= argument"
+
+
+def test_a_named_tuple_with_unmodelled_fields_is_refused_like_a_mapping() -> None:
+    """vLLM's field set: the fields attn_di does not model are refused, as the same keys in a
+    mapping are, naming the fields and the NamedTuple, with no "did you mean"."""
+    vllm_config = VllmSelectorConfig(64, "bfloat16", "auto", 16)
+    with pytest.raises(InvalidInputError) as caught:
+        select_backend(vllm_config, device="cpu")
+    error = caught.value
+    assert error.argument == "config (VllmSelectorConfig)"
+    assert str(error).startswith(
+        "config (VllmSelectorConfig): unknown fields "
+        "['use_mm_prefix', 'use_non_causal', 'use_per_head_quant_scales']; valid: "
+    )
+    assert "did you mean" not in str(error)
+    with pytest.raises(InvalidInputError, match=r"unknown keys \['use_mm_prefix', "):
+        select_backend(vllm_config._asdict(), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"head_size": 0}, "head_size: must be a positive int, got 0"),
+        ({"dtype": "bfloat"}, "did you mean 'bfloat16'"),
+        ({"attn_type": "decodr"}, "did you mean 'decoder'"),
+        ({"dtype": None}, "missing dtype"),
+    ],
+)
+def test_a_named_tuple_is_validated_like_a_config(fields: dict[str, Any], match: str) -> None:
+    """Ill-typed or missing fields of a NamedTuple give the config's own typed errors."""
+    named = ModelledSelectorConfig(64, "bf16", None, None)._replace(**fields)
+    with pytest.raises(InvalidInputError, match=match):
+        select_backend(named, device="cpu")
+
+
+def test_a_plain_tuple_is_not_a_config() -> None:
+    """A tuple without field names is still refused with a typed error naming ``config``."""
+    with pytest.raises(InvalidBackendTypeError, match="config must be an AttentionSelectorConfig"):
+        select_backend((64, "bf16"), device="cpu")  # type: ignore[arg-type]

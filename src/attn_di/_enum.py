@@ -83,7 +83,14 @@ class MambaAttentionBackendEnum(BackendEnum):
 ATTENTION = BackendFamily(AttentionBackendEnum, "attention", "attention backend")
 """The primary family: the members of every container's class body."""
 
-MAMBA = BackendFamily(MambaAttentionBackendEnum, "mamba", "Mamba attention backend")
+MAMBA = BackendFamily(
+    MambaAttentionBackendEnum,
+    "mamba",
+    "Mamba attention backend",
+    # vLLM's Mamba enum shares the attention enum's metaclass, so an unknown Mamba name
+    # reads "Unknown attention backend: 'X'. Valid options are: ..." there too (0.33).
+    unknown_phrase="Unknown attention backend",
+)
 """Mamba-style layers: ``container.mamba`` holds their providers."""
 
 

@@ -157,15 +157,21 @@ class BackendFamily:
             family's names in exported snapshots, and the container attribute of its
             sub-container (except for the primary family).
         label: what a member is called in messages (``"attention backend"``).
+        unknown_phrase: how the error for an unknown name begins (``"Unknown attention
+            backend"``): ``"Unknown <label>"`` unless the family keeps another project's
+            wording that callers match on.
         builtin: the names declared in the enum's body.
         reserved: names that would shadow an attribute of the enum or of a container
             (containers add theirs when their module is imported).
     """
 
-    def __init__(self, enum: type[BackendEnum], key: str, label: str) -> None:
+    def __init__(
+        self, enum: type[BackendEnum], key: str, label: str, unknown_phrase: str | None = None
+    ) -> None:
         self.enum = enum
         self.key = key
         self.label = label
+        self.unknown_phrase = unknown_phrase or f"Unknown {label}"
         self.builtin = frozenset(enum._member_map_)
         namespaces = [*type.mro(enum), *type.mro(type(enum))]
         self.reserved: set[str] = {name for space in namespaces for name in vars(space)}
@@ -228,7 +234,11 @@ class BackendFamily:
     ) -> UnknownBackendError:
         """The error for an unknown name (not raised)."""
         return UnknownBackendError(
-            name, [*self.names(), *extra], looked_up=looked_up, enum=self.enum.__name__
+            name,
+            [*self.names(), *extra],
+            looked_up=looked_up,
+            enum=self.enum.__name__,
+            phrase=self.unknown_phrase,
         )
 
     # -- runtime members ----------------------------------------------------------------

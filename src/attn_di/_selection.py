@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from attn_di import _state
 from attn_di._device import Device, parse_device
@@ -188,6 +188,15 @@ class AttentionSelectorConfig:
         }
 
 
+class NamedTupleConfig(Protocol):
+    """A selector config as a NamedTuple (vLLM's ``AttentionSelectorConfig`` is one)."""
+
+    @property
+    def _fields(self) -> tuple[str, ...]: ...
+
+    def _asdict(self) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class Selection:
     """The outcome of :func:`select_backend`.
@@ -261,7 +270,7 @@ def force_backend(
 
 
 def select_backend(
-    config: AttentionSelectorConfig | Mapping[str, Any],
+    config: AttentionSelectorConfig | Mapping[str, Any] | NamedTupleConfig,
     *,
     device: str | Device | None = None,
     backend: AttentionBackendEnum | str | None = None,
@@ -272,7 +281,8 @@ def select_backend(
     Args:
         config: what the layer needs: an :class:`AttentionSelectorConfig`, or a mapping of its
             fields (``{"head_size": 128, "dtype": "bfloat16"}``, optionally with ``device`` and
-            ``backend``, which the keyword arguments override).
+            ``backend``, which the keyword arguments override), or a NamedTuple of them (vLLM's
+            selector config is one), read as the mapping ``config._asdict()``.
         device: "cpu", "cuda", "cuda:9.0", "rocm"; None detects it through torch.
         backend: an explicit choice (member or name, case-insensitive); None/"auto" = not set.
         container: where candidates are resolved; the default container if None.
@@ -284,8 +294,9 @@ def select_backend(
         BackendRejectedError: an explicitly asked-for backend refuses the configuration.
         NoValidBackendError: no candidate accepts it (every candidate with its reasons).
         UnknownBackendError: an unknown backend name (also from ``ATTN_DI_BACKEND``).
-        InvalidInputError: a malformed device, or a mapping with unknown or missing fields.
-        InvalidBackendTypeError: ``config`` is neither a config nor a mapping.
+        InvalidInputError: a malformed device, or a mapping (NamedTuple) with unknown or
+            missing fields.
+        InvalidBackendTypeError: ``config`` is neither a config, a mapping nor a NamedTuple.
     """
     if not isinstance(config, AttentionSelectorConfig):
         config, mapped_device, mapped_backend = _config_from(config)
@@ -335,26 +346,38 @@ def select_from_settings(container: BackendContainer, settings: dict[str, Any]) 
 # -- internals ------------------------------------------------------------------------
 def _config_from(values: object) -> tuple[AttentionSelectorConfig, Any, Any]:
     """``(config, device, backend)`` from a mapping of the config's fields, plus optional
-    ``device`` and ``backend`` keys (None when absent).
+    ``device`` and ``backend`` keys (None when absent); a NamedTuple is read as its
+    ``_asdict()``, under the same rules.
 
     Raises:
-        InvalidBackendTypeError: not a mapping.
-        InvalidInputError: unknown keys, or head_size / dtype missing.
+        InvalidBackendTypeError: neither a mapping nor a NamedTuple.
+        InvalidInputError: unknown keys (fields), or head_size / dtype missing.
     """
-    if not isinstance(values, Mapping):
+    named_tuple: str | None = None  # the NamedTuple's class name, for messages
+    if _is_named_tuple(values):
+        given, named_tuple = dict(values._asdict()), type(values).__name__
+    elif isinstance(values, Mapping):
+        given = dict(values)
+    else:
         raise InvalidBackendTypeError(
             "config",
             values,
-            "an AttentionSelectorConfig or a mapping of its fields",
+            "an AttentionSelectorConfig, a mapping of its fields or a NamedTuple of them",
             hint='select_backend(AttentionSelectorConfig(head_size=128, dtype="bfloat16"))',
         )
-    given = dict(values)
     device = given.pop("device", None)
     backend = given.pop("backend", None)
     fields = set(AttentionSelectorConfig.__dataclass_fields__)
     unknown = sorted(str(key) for key in set(given) - fields)
     if unknown:
         valid = sorted(fields | {"device", "backend"})
+        if named_tuple:  # fields of another project's config, not typos: no "did you mean"
+            raise InvalidInputError(
+                f"config ({named_tuple})",
+                f"unknown fields {unknown}; valid: {', '.join(valid)}",
+                hint="attn_di cannot check what these fields ask of a backend; select with "
+                "the fields it models (a mapping or an AttentionSelectorConfig of them)",
+            )
         close = closest_name(unknown[0], valid)
         raise InvalidInputError(
             "attention settings",
@@ -370,6 +393,13 @@ def _config_from(values: object) -> tuple[AttentionSelectorConfig, Any, Any]:
             '"dtype": "bfloat16"})',
         )
     return AttentionSelectorConfig(**given), device, backend
+
+
+def _is_named_tuple(values: object) -> TypeGuard[NamedTupleConfig]:
+    """``values`` has a NamedTuple's ``_fields`` and ``_asdict()`` (a namedtuple or a
+    ``typing.NamedTuple`` class, vLLM's selector config among them)."""
+    fields = getattr(values, "_fields", None)
+    return isinstance(fields, tuple) and callable(getattr(values, "_asdict", None))
 
 
 def _requested(

@@ -65,6 +65,17 @@ def closest_name(name: str, choices: Iterable[str]) -> str | None:
     return by_upper[matches[0]] if matches else None
 
 
+ALL_BACKENDS_COMMAND = "attn-di run --backend all"
+"""The one place where ``all`` names a set of backends rather than a member."""
+
+
+def _asks_for_all(name: object, choices: Sequence[str]) -> bool:
+    """``name`` is ``all`` (any case), and no member is called so."""
+    if not isinstance(name, str) or name.strip().lower() != "all":
+        return False
+    return all(choice.lower() != "all" for choice in choices)
+
+
 class AttnDIError(Exception):
     """Base class of every error attn_di raises.
 
@@ -88,14 +99,15 @@ class AttnDIError(Exception):
 class UnknownBackendError(AttnDIError, ValueError, KeyError):
     """A backend name that is not a member of the enum.
 
-    The message starts as vLLM's does ("Unknown attention backend: 'X'. Valid options are:
-    ..."), so code matching vLLM's text keeps working.
+    The message starts with the enum family's phrase, as vLLM's does ("Unknown attention
+    backend: 'X'. Valid options are: ..."), so code matching vLLM's text keeps working.
 
     Attributes:
         name: the name asked for, as given.
         choices: every valid member name, in enum order.
         suggestion: the closest valid name, or None.
         enum: the enum's class name.
+        phrase: how the message begins (the family's ``unknown_phrase``).
     """
 
     def __init__(
@@ -104,14 +116,23 @@ class UnknownBackendError(AttnDIError, ValueError, KeyError):
         choices: Sequence[str],
         looked_up: str = "name",
         enum: str = "AttentionBackendEnum",
+        phrase: str = "Unknown attention backend",
     ) -> None:
-        super().__init__(name, tuple(choices), looked_up, enum)
+        super().__init__(name, tuple(choices), looked_up, enum, phrase)
         self.name = name
         self.choices = tuple(choices)
         self.looked_up = looked_up
         self.enum = enum
+        self.phrase = phrase
         self.suggestion = closest_name(name, self.choices) if isinstance(name, str) else None
-        if self.suggestion:
+        if looked_up == "name" and _asks_for_all(name, self.choices):
+            # "all" spells no member (PALLAS is not what was meant): it is the CLI's word.
+            self.suggestion = None
+            self.hint = (
+                f"`all` is accepted only by `{ALL_BACKENDS_COMMAND}`; "
+                "elsewhere give one backend name (see `attn-di list`)"
+            )
+        elif self.suggestion:
             self.hint = f"did you mean {self.suggestion!r}?"
         elif looked_up == "class path":
             self.hint = f"look members up by name: {enum}['NAME']"
@@ -122,10 +143,10 @@ class UnknownBackendError(AttnDIError, ValueError, KeyError):
         valid = ", ".join(self.choices)
         if self.looked_up == "class path":
             return (
-                f"Unknown attention backend class path: {self.name!r} is the default of no "
+                f"{self.phrase} class path: {self.name!r} is the default of no "
                 f"{self.enum} member. Valid options are: {valid}"
             )
-        return f"Unknown attention backend: {self.name!r}. Valid options are: {valid}"
+        return f"{self.phrase}: {self.name!r}. Valid options are: {valid}"
 
 
 class BackendNotRegisteredError(AttnDIError, ValueError):

@@ -283,6 +283,37 @@ def test_a_bad_option_points_to_its_subcommands_help(args: list[str], hint: str)
 
 
 @pytest.mark.parametrize(
+    ("args", "error", "hint"),
+    [
+        (["--registr", "X=mod:Cls"], "unrecognized arguments: --registr",
+         "did you mean --register? see `attn-di --help`"),
+        (["--registr", "X=mod:Cls", "run"], "unrecognized arguments: --registr",
+         "did you mean --register? see `attn-di run --help`"),
+        (["run", "--registr", "X=mod:Cls"], "unrecognized arguments: --registr X=mod:Cls",
+         "did you mean --register? see `attn-di run --help`"),
+        (["--imprt", "my_pkg", "list"], "unrecognized arguments: --imprt",
+         "did you mean --import? see `attn-di list --help`"),
+        (["run", "--versin"], "unrecognized arguments: --versin",
+         "did you mean --version (before `run`)? see `attn-di --help`"),
+        (["--bogus"], "unrecognized arguments: --bogus", "see `attn-di --help`"),
+    ],
+)  # fmt: skip
+def test_a_global_option_typo_suggests_the_option(args: list[str], error: str, hint: str) -> None:
+    """A typo of --register, --import or --version, before or after the command, is named
+    and the closest option among attn-di's own and the command's is suggested."""
+    result = attn_di(*args)
+    assert result.returncode == 2
+    assert error_and_hint(result) == (error, hint)
+
+
+def test_a_missing_option_value_is_not_taken_for_a_typo() -> None:
+    """--import followed by an option keeps argparse's own message (the value is missing)."""
+    result = attn_di("--import", "-x", "list")
+    assert result.returncode == 2
+    assert error_and_hint(result)[0] == "argument --import: expected one argument"
+
+
+@pytest.mark.parametrize(
     ("args", "hint"),
     [
         (["run", "--batch", "0"], "e.g. --batch 8"),
@@ -331,6 +362,33 @@ def test_an_unknown_name_in_attn_di_backend_names_the_variable(command: list[str
     assert error_and_hint(far)[1] == (
         "unset ATTN_DI_BACKEND (or set it to auto) to let attn_di choose; "
         "`attn-di list` shows every backend"
+    )
+
+
+@pytest.mark.parametrize("value", ["all", "ALL"])
+@pytest.mark.parametrize("command", [["run"], ["select", "--head-size", "64", "--dtype", "bf16"]])
+def test_all_in_attn_di_backend_says_where_all_is_accepted(command: list[str], value: str) -> None:
+    """ATTN_DI_BACKEND=all: no far-fetched suggestion; the hint says only `attn-di run
+    --backend all` takes it, and the error lists the member names."""
+    result = attn_di(*command, ATTN_DI_BACKEND=value)
+    assert result.returncode == 2
+    error, hint = error_and_hint(result)
+    assert error.startswith(f"ATTN_DI_BACKEND={value!r}: Unknown attention backend: {value!r}.")
+    assert "Valid options are: FLASH_ATTN, " in error
+    assert "CPU_ATTN" in error
+    assert hint == (
+        "`all` is accepted only by `attn-di run --backend all`, not by ATTN_DI_BACKEND: "
+        "set it to one backend name or unset it; `attn-di list` shows every backend"
+    )
+    assert "PALLAS?" not in result.stderr
+
+
+def test_backend_all_outside_run_says_where_all_is_accepted() -> None:
+    """select --backend all: the hint names `attn-di run --backend all`, no suggestion."""
+    result = attn_di("select", "--head-size", "64", "--dtype", "bf16", "--backend", "all")
+    assert result.returncode == 2
+    assert error_and_hint(result)[1] == (
+        "`all` is accepted only by `attn-di run --backend all`; `attn-di list` shows every backend"
     )
 
 

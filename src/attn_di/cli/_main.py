@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from attn_di.cli._output import print_error
 from attn_di.exceptions import (
+    ALL_BACKENDS_COMMAND,
     AttnDIError,
     BackendRejectedError,
     InvalidInputError,
@@ -30,6 +31,8 @@ __all__ = ["RUN_DEFAULTS", "build_parser", "main"]
 EXIT_OK = 0
 EXIT_FAILED = 1  # a check failed, or no backend could be chosen
 EXIT_USAGE = 2  # bad input: names, shapes, dtypes (argparse uses 2 as well)
+
+_COMMAND = "COMMAND"  # the metavar of the subcommand: argparse's messages about it name it
 
 BACKEND_ENV = "ATTN_DI_BACKEND"  # attn_di._selection.ENV_BACKEND, read without importing it
 
@@ -51,10 +54,23 @@ RUN_DEFAULTS: dict[str, Any] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one ``attn-di: error:`` line and a hint, exit 2."""
+    """argparse, but a usage error is one ``attn-di: error:`` line and a hint, exit 2.
+
+    Attributes:
+        given: the arguments being parsed, when the caller records them (:func:`_parse`
+            does, for the top-level parser): a failure of the top-level parser caused by
+            an unknown option before the command is then reported as that option.
+    """
+
+    given: Sequence[str] = ()
 
     def error(self, message: str) -> NoReturn:
-        print_error(message, f"see `{self.prog} --help`")
+        hint = f"see `{self.prog} --help`"
+        unknown = _first_unknown_option(self, self.given, message)
+        if unknown is not None:
+            message = f"unrecognized arguments: {unknown}"
+            hint = _unknown_option_hint(self, unknown, self.given)
+        print_error(message, hint)
         sys.exit(EXIT_USAGE)
 
 
@@ -79,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _add_registration_arguments(parser, suffix="")
     commands = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+        dest="command", required=True, metavar=_COMMAND, parser_class=_Parser
     )
 
     def add_command(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -225,26 +241,83 @@ _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse; an unknown option is reported by the subcommand it was given to."""
     parser = build_parser()
-    args, extras = parser.parse_known_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if isinstance(parser, _Parser):
+        parser.given = given
+    args, extras = parser.parse_known_args(given)
     if extras:
-        command = _subparser(parser, args.command)
         message = f"unrecognized arguments: {' '.join(extras)}"
-        options = [o for action in command._actions for o in action.option_strings]
-        close = closest_name(extras[0].split("=", 1)[0], options)
-        hint = f"see `{command.prog} --help`"
-        print_error(message, f"did you mean {close}? {hint}" if close else hint)
+        wrong = next((extra for extra in extras if extra.startswith("-")), extras[0])
+        print_error(message, _unknown_option_hint(parser, wrong, given))
         sys.exit(EXIT_USAGE)
     args.register = [*args.register, *args.register_after]
     args.imports = [*getattr(args, "import"), *args.import_after]
     return args
 
 
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands' parsers by name (none for a subcommand's own parser)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            found: argparse.ArgumentParser = action.choices[name]
-            return found
-    return parser  # pragma: no cover - every attn-di command is a subcommand
+            return dict(action.choices)
+    return {}
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    return [option for action in parser._actions for option in action.option_strings]
+
+
+def _first_unknown_option(
+    parser: argparse.ArgumentParser, given: Sequence[str], message: str
+) -> str | None:
+    """The first option before the command that ``parser`` (the top level) does not know,
+    when argparse's ``message`` is about the command.
+
+    An unknown option before the command makes argparse take the next word for the command
+    (``--registr X=m:C run`` fails as "invalid choice: 'X=m:C'"), or find none: the option
+    is the error to report. Exact options and the unique prefixes argparse accepts count
+    as known.
+    """
+    commands = _commands(parser)
+    if not commands or _COMMAND not in message:
+        return None
+    known = _options(parser)
+    for word in given:
+        if word == "--" or word in commands:
+            return None
+        option = word.split("=", 1)[0]
+        if not word.startswith("-") or word == "-" or _is_negative_number(word):
+            continue
+        prefix_of = [o for o in known if o.startswith("--") and o.startswith(option)]
+        if option not in known and not (option.startswith("--") and len(prefix_of) == 1):
+            return word
+    return None
+
+
+def _is_negative_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _unknown_option_hint(parser: argparse.ArgumentParser, wrong: str, given: Sequence[str]) -> str:
+    """The closest option among attn-di's own and the command's (the first command word in
+    ``given``), and the help that documents it."""
+    commands = _commands(parser)
+    command_name = next((word for word in given if word in commands), None)
+    command = commands[command_name] if command_name else None
+    command_options = _options(command) if command is not None else []
+    global_options = _options(parser)
+    close = closest_name(wrong.split("=", 1)[0], [*command_options, *global_options])
+    if close is None:
+        help_of = command if command is not None else parser
+        return f"see `{help_of.prog} --help`"
+    if command is not None and close in command_options:
+        return f"did you mean {close}? see `{command.prog} --help`"
+    where = f" (before `{command_name}`)" if command_name else ""
+    return f"did you mean {close}{where}? see `{parser.prog} --help`"
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -358,8 +431,12 @@ def _canonical_dtype(text: str) -> str:
 
 def _unknown_backend_hint(exc: UnknownBackendError, variable: str | None = None) -> str:
     """The CLI's hint for an unknown name: the closest one, and CLI commands (not Python)."""
-    if str(exc.name).strip().lower() == "all" and variable is None:
-        return "`all` is for attn-di run; `attn-di list` shows every backend"
+    if str(exc.name).strip().lower() == "all":
+        where = f", not by {variable}: set it to one backend name or unset it" if variable else ""
+        return (
+            f"`all` is accepted only by `{ALL_BACKENDS_COMMAND}`{where}; "
+            "`attn-di list` shows every backend"
+        )
     if variable is not None:
         advice = (
             f"did you mean {variable}={exc.suggestion}? "
