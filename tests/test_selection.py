@@ -619,21 +619,37 @@ def test_select_backend_accepts_a_named_tuple(cpu_fakes: dict[AttentionBackendEn
     assert forced.origin == "backend= argument"
 
 
-def test_a_named_tuple_with_unmodelled_fields_is_refused_like_a_mapping() -> None:
-    """vLLM's field set: the fields attn_di does not model are refused, as the same keys in a
-    mapping are, naming the fields and the NamedTuple, with no "did you mean"."""
+def test_vllms_own_config_selects_while_its_extra_flags_ask_for_nothing(
+    cpu_fakes: dict[AttentionBackendEnum, type],
+) -> None:
+    """vLLM's field set with its unmodelled flags False selects like attn_di's own config; the
+    same keys in a mapping are still typo-checked (a mapping's keys are typed by hand)."""
     vllm_config = VllmSelectorConfig(64, "bfloat16", "auto", 16)
+    expected = AttentionSelectorConfig(head_size=64, dtype="bfloat16", block_size=16)
+    selection = select_backend(vllm_config, device="cpu")
+    assert selection.config == expected
+    assert selection.backend is select_backend(expected, device="cpu").backend
+    with pytest.raises(InvalidInputError, match=r"unknown keys \['use_mm_prefix', "):
+        select_backend(vllm_config._asdict(), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"use_mm_prefix": True}, {"use_non_causal": True, "use_per_head_quant_scales": True}],
+    ids=str,
+)
+def test_an_unmodelled_flag_that_is_set_is_refused(flags: dict[str, bool]) -> None:
+    """A set flag attn_di does not model is refused, naming it and the NamedTuple class,
+    with no "did you mean" (field names of another project are not typos)."""
+    vllm_config = VllmSelectorConfig(64, "bfloat16", "auto", 16)._replace(**flags)
     with pytest.raises(InvalidInputError) as caught:
         select_backend(vllm_config, device="cpu")
     error = caught.value
     assert error.argument == "config (VllmSelectorConfig)"
-    assert str(error).startswith(
-        "config (VllmSelectorConfig): unknown fields "
-        "['use_mm_prefix', 'use_non_causal', 'use_per_head_quant_scales']; valid: "
-    )
+    asked = ", ".join(f"{name}=True" for name in sorted(flags))
+    assert str(error).startswith(f"config (VllmSelectorConfig): asks for {asked}, which ")
     assert "did you mean" not in str(error)
-    with pytest.raises(InvalidInputError, match=r"unknown keys \['use_mm_prefix', "):
-        select_backend(vllm_config._asdict(), device="cpu")
+    assert "leave them False" in str(error.hint)
 
 
 @pytest.mark.parametrize(

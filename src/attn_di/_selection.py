@@ -49,6 +49,7 @@ __all__ = [
     "default_candidates",
     "force_backend",
     "select_backend",
+    "shared_selection",
 ]
 
 ENV_BACKEND = "ATTN_DI_BACKEND"
@@ -282,7 +283,8 @@ def select_backend(
         config: what the layer needs: an :class:`AttentionSelectorConfig`, or a mapping of its
             fields (``{"head_size": 128, "dtype": "bfloat16"}``, optionally with ``device`` and
             ``backend``, which the keyword arguments override), or a NamedTuple of them (vLLM's
-            selector config is one), read as the mapping ``config._asdict()``.
+            selector config is one), read as the mapping ``config._asdict()``; its fields
+            attn_di does not model are ignored while False or None, refused when set.
         device: "cpu", "cuda", "cuda:9.0", "rocm"; None detects it through torch.
         backend: an explicit choice (member or name, case-insensitive); None/"auto" = not set.
         container: where candidates are resolved; the default container if None.
@@ -294,9 +296,25 @@ def select_backend(
         BackendRejectedError: an explicitly asked-for backend refuses the configuration.
         NoValidBackendError: no candidate accepts it (every candidate with its reasons).
         UnknownBackendError: an unknown backend name (also from ``ATTN_DI_BACKEND``).
-        InvalidInputError: a malformed device, or a mapping (NamedTuple) with unknown or
-            missing fields.
+        InvalidInputError: a malformed device, a mapping with unknown or missing fields, or
+            a NamedTuple with missing fields or an unmodelled field set (True, a value).
         InvalidBackendTypeError: ``config`` is neither a config, a mapping nor a NamedTuple.
+    """
+    return _copy(shared_selection(config, device=device, backend=backend, container=container))
+
+
+def shared_selection(
+    config: AttentionSelectorConfig | Mapping[str, Any] | NamedTupleConfig,
+    *,
+    device: str | Device | None = None,
+    backend: AttentionBackendEnum | str | None = None,
+    container: BackendContainer | None = None,
+) -> Selection:
+    """:func:`select_backend`'s answer itself, as its cache holds it: read it, never change it.
+
+    For attn_di's own per-call paths (the transformers attention function runs it for every
+    layer of every step), which only read the result; callers that may change ``rejected``
+    take :func:`select_backend`'s copy. Arguments, errors: see :func:`select_backend`.
     """
     if not isinstance(config, AttentionSelectorConfig):
         config, mapped_device, mapped_backend = _config_from(config)
@@ -319,7 +337,7 @@ def select_backend(
     )
     cached = _cache_get(key) if cacheable else None
     if cached is not None:
-        return _copy(cached)
+        return cached
     if requested is not None:
         selection = _select_requested(target, config, parsed_device, requested, origin)
     else:
@@ -329,7 +347,7 @@ def select_backend(
         _IMPORT_FAILURE in r for rs in selection.rejected.values() for r in rs
     ):
         _cache_put(key, selection)
-    return _copy(selection)
+    return selection
 
 
 def select_from_settings(container: BackendContainer, settings: dict[str, Any]) -> Selection:
@@ -347,7 +365,8 @@ def select_from_settings(container: BackendContainer, settings: dict[str, Any]) 
 def _config_from(values: object) -> tuple[AttentionSelectorConfig, Any, Any]:
     """``(config, device, backend)`` from a mapping of the config's fields, plus optional
     ``device`` and ``backend`` keys (None when absent); a NamedTuple is read as its
-    ``_asdict()``, under the same rules.
+    ``_asdict()``, under the same rules, except that fields attn_di does not model are
+    ignored while False or None (vLLM's config has flags it does not model).
 
     Raises:
         InvalidBackendTypeError: neither a mapping nor a NamedTuple.
@@ -369,14 +388,23 @@ def _config_from(values: object) -> tuple[AttentionSelectorConfig, Any, Any]:
     backend = given.pop("backend", None)
     fields = set(AttentionSelectorConfig.__dataclass_fields__)
     unknown = sorted(str(key) for key in set(given) - fields)
+    if named_tuple:
+        # Another project's config (vLLM's carries use_mm_prefix, use_per_head_quant_scales,
+        # use_non_causal): its field names are not typos. A flag attn_di does not model is
+        # harmless while it asks for nothing (False or None); one that is set is refused.
+        for name in [name for name in unknown if given[name] is None or given[name] is False]:
+            del given[name]
+        unknown = [name for name in unknown if name in given]
     if unknown:
         valid = sorted(fields | {"device", "backend"})
         if named_tuple:  # fields of another project's config, not typos: no "did you mean"
+            asked = ", ".join(f"{name}={given[name]!r}" for name in unknown)
             raise InvalidInputError(
                 f"config ({named_tuple})",
-                f"unknown fields {unknown}; valid: {', '.join(valid)}",
-                hint="attn_di cannot check what these fields ask of a backend; select with "
-                "the fields it models (a mapping or an AttentionSelectorConfig of them)",
+                f"asks for {asked}, which attn_di does not model (it models: {', '.join(valid)})",
+                hint="attn_di cannot check that a backend honours these; leave them False "
+                "(or None), or select with the fields it models (a mapping or an "
+                "AttentionSelectorConfig of them)",
             )
         close = closest_name(unknown[0], valid)
         raise InvalidInputError(
