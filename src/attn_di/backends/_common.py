@@ -87,7 +87,10 @@ def check_inputs(
             "(num_heads, head_size)",
             hint="query must be [num_tokens, num_heads, head_size]",
         )
-    if dtype_name(query.dtype) not in {dtype_name(d) for d in impl.backend.supported_dtypes}:
+    supported = impl.backend.supported_dtypes
+    if query.dtype not in supported and dtype_name(query.dtype) not in {
+        dtype_name(d) for d in supported
+    }:
         raise InvalidInputError(
             "query",
             f"dtype {query.dtype} is not supported by {impl.backend.get_name()}",

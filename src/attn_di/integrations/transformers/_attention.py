@@ -27,7 +27,7 @@ import torch
 from attn_di._default import get_container
 from attn_di._device import Device, parse_device
 from attn_di._enum import AttentionBackendEnum, parse_backend_name
-from attn_di._selection import AttentionSelectorConfig, Selection, select_backend
+from attn_di._selection import AttentionSelectorConfig, Selection, select_backend, shared_selection
 from attn_di.backend import AttentionType
 from attn_di.exceptions import (
     BackendRejectedError,
@@ -161,7 +161,15 @@ class AttentionFunction:
         causal: bool,
         kwargs: dict[str, Any],
     ) -> tuple[torch.Tensor, None]:
-        valid = _padding_mask(attention_mask, key)
+        if cache is None:
+            valid = _padding_mask(attention_mask, key)
+        else:  # the layers of a step share one mask: read it once per step
+            memo = cache.step_memo.get("padding_mask")
+            if memo is not None and memo[0] is attention_mask:
+                valid = memo[1]
+            else:
+                valid = _padding_mask(attention_mask, key)
+                cache.step_memo["padding_mask"] = (attention_mask, valid)
         sinks = kwargs.get("s_aux")
         window = kwargs.get("sliding_window")
         soft_cap = kwargs.get("softcap")
@@ -203,7 +211,7 @@ class AttentionFunction:
         )
         device = _CPU if query.device.type == "cpu" else parse_device(query.device.type)
         try:
-            selection = select_backend(config, device=device, backend=self.member)
+            selection = shared_selection(config, device=device, backend=self.member)
         except BackendRejectedError as exc:
             exc.hint = _rejected_hint(exc.origin, ())
             raise

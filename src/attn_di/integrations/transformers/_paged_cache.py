@@ -231,6 +231,9 @@ class PagedCache(Cache):
         self._step = 0
         self._updated: set[int] = set()
         self._batch: StepBatch | None = None
+        # What the attention function worked out once for all layers of the current step
+        # (emptied when a step starts).
+        self.step_memo: dict[str, Any] = {}
         # (columns, seq_lens, blocks per sequence) before the current step, for abandon_step.
         self._before: tuple[int, list[int], list[int]] = (0, [], [])
 
@@ -257,15 +260,19 @@ class PagedCache(Cache):
             InvalidInputError: the model does not use an attn_di attention implementation
                 (another implementation would see only the new keys).
         """
-        name = getattr(self.config, "_attn_implementation", None)
-        if not is_attn_di_name(name):
-            raise InvalidInputError(
-                "cache",
-                f"PagedCache needs an attn_di attention implementation; the model uses {name!r}",
-                hint="call attn_di.integrations.transformers.register() and load the model with "
-                'attn_implementation="attn_di" (or model.set_attn_implementation("attn_di"))',
-            )
         if layer_idx in self._updated or not self._updated:
+            # A new step (the model cannot change its attention implementation mid-step).
+            name = getattr(self.config, "_attn_implementation", None)
+            if not is_attn_di_name(name):
+                raise InvalidInputError(
+                    "cache",
+                    f"PagedCache needs an attn_di attention implementation; the model uses "
+                    f"{name!r}",
+                    hint="call attn_di.integrations.transformers.register() and load the model "
+                    'with attn_implementation="attn_di" (or model.set_attn_implementation('
+                    '"attn_di"))',
+                )
+            self.step_memo = {}
             self._updated.clear()
             self._before = (self._columns, list(self._seq_lens), [len(t) for t in self._tables])
             self._step += 1
