@@ -9,7 +9,7 @@ import pytest
 import torch
 from pytest_mock import MockerFixture
 
-from attn_di.backend import AttentionBackend, AttentionMetadataBuilder
+from attn_di.backend import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
 from attn_di.backends.cpu_attn import CPUAttentionImpl
 from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
 from tests.backends.reference import Batch, Options, differs, make_batch
@@ -152,6 +152,42 @@ def test_layers_sharing_metadata_check_its_indices_once(
     for impl, kv_cache in zip(impls, caches, strict=True):
         impl.forward(None, batch.query, batch.key, batch.value, kv_cache, batch.metadata)
     assert spy.call_count == 1
+
+
+def test_metadata_edited_under_inference_mode_is_checked_again(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """Under inference_mode the builder's tensors keep version counters, and metadata holding
+    an inference tensor (none) is checked on every call: an edit is caught either way."""
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    args = (batch.query, batch.key, batch.value, batch.kv_cache)
+    with torch.inference_mode():
+        built = AttentionMetadataBuilder(16).build(
+            [3, 1], [3, 18], batch.metadata.block_table.clone()
+        )
+        assert not built.block_table.is_inference()
+        impl.forward(None, *args, built)
+        built.block_table.fill_(10_000)
+        with pytest.raises(InvalidInputError, match="block_table: holds block numbers outside"):
+            impl.forward(None, *args, built)
+        inference_table = batch.metadata.block_table.clone()  # made here: an inference tensor
+        assert inference_table.is_inference()
+        built.block_table = inference_table
+        impl.forward(None, *args, built)
+        inference_table.fill_(10_000)
+        with pytest.raises(InvalidInputError, match="block_table: holds block numbers outside"):
+            impl.forward(None, *args, built)
+
+
+def test_a_checked_metadata_carries_nothing_new(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """What forward remembers is kept beside the metadata: its fields, and so
+    ``AttentionMetadata(**vars(metadata))``, are as they were."""
+    before = set(vars(batch.metadata))
+    _forward(backend_cls, opts, batch)
+    assert set(vars(batch.metadata)) == before
+    assert AttentionMetadata(**vars(batch.metadata)) == batch.metadata
 
 
 def test_metadata_checked_against_each_cache(

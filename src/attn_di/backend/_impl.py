@@ -302,9 +302,10 @@ class AttentionImpl(abc.ABC):
                 ``encoder_only``.
             attn_metadata: the batch's :class:`AttentionMetadata`. attn_di's backends check
                 its indices against the cache once per metadata object, cache shape and
-                token count (the layers of one step share it, as in vLLM); a tensor of it
-                written in place is checked again, except inference tensors (made under
-                ``torch.inference_mode()``), which have no version counter: build new
+                token count (the layers of one step share it, as in vLLM), and again after
+                an in-place write torch counts (its version counters). Metadata holding an
+                inference tensor (no version counter) is checked on every call; writes torch
+                does not count (through ``.numpy()``, ``.data``) go unnoticed: build new
                 metadata rather than editing one after use.
             output: optional ``[N, H * D]`` buffer to write into.
 

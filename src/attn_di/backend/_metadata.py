@@ -124,7 +124,9 @@ class AttentionMetadataBuilder:
             causal: False for bidirectional (encoder) attention.
 
         Returns:
-            The metadata, tensors on ``device``.
+            The metadata, tensors on ``device``. The tensors it makes are ordinary tensors
+            even under ``torch.inference_mode()``: they keep version counters, by which the
+            backends notice an in-place edit of metadata they have already checked.
 
         Raises:
             InvalidInputError: lengths or block numbers that are not integers (``[1.5]``),
@@ -132,6 +134,19 @@ class AttentionMetadataBuilder:
                 sequence, a block table too short for ``seq_lens``, or a negative block
                 number among those ``seq_lens`` use.
         """
+        import torch
+
+        with torch.inference_mode(False):
+            return self._build(query_lens, seq_lens, block_table, causal=causal)
+
+    def _build(
+        self,
+        query_lens: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int] | torch.Tensor,
+        block_table: Sequence[Sequence[int]] | torch.Tensor | None,
+        *,
+        causal: bool,
+    ) -> AttentionMetadata:
         import torch
 
         q_lens = _integers("query_lens", query_lens, "[B] ints, e.g. query_lens=[5, 1]")

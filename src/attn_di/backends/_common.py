@@ -14,6 +14,7 @@ slot a sequence does not cover may hold NaN or Inf. A mask is not enough against
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -139,15 +140,16 @@ def check_inputs(
         _check_cache_autograd(kv_cache)
     _check_metadata_devices(metadata, query.device)
     stamp = _metadata_stamp(impl, kv_cache, metadata, num_tokens)
-    if stamp is None or not _same_stamp(metadata.__dict__.get(_STAMP), stamp):
+    if stamp is None or not _same_stamp(_remembered(metadata), stamp):
         _check_metadata(impl, kv_cache, metadata, num_tokens)
         if stamp is not None:
-            metadata.__dict__[_STAMP] = stamp
+            _remember(metadata, stamp)
 
 
-# The attribute under which a metadata object remembers the last check it passed.
-_STAMP = "_attn_di_checked"
 _Stamp = tuple[tuple[torch.Tensor, ...], tuple[object, ...]]
+# id(metadata) -> (weak reference to it, the stamp of its last passed check). Kept beside the
+# metadata rather than on it, so vars(metadata), pickles and copies never carry it.
+_STAMPS: dict[int, tuple[weakref.ref[object], _Stamp]] = {}
 
 
 def _metadata_stamp(
@@ -158,19 +160,20 @@ def _metadata_stamp(
     A model's layers share one metadata object per step (vLLM builds it once per batch), so
     the index checks (a dozen small tensor ops, which cost more than a decode step's attention
     at short lengths) run once per step, not once per layer. The stamp holds the metadata's
-    tensors themselves (compared by identity) and their version counters, so writing one in
-    place, or replacing one, checks again. Inference tensors have no version counter: metadata
-    built under ``torch.inference_mode()`` is checked once per (cache shape, token count) and
-    must not be changed in place afterwards (build new metadata for a new batch, as vLLM's
-    builders do). Objects without a ``__dict__`` are checked on every call.
+    tensors themselves (compared by identity) and their version counters, so an in-place
+    write torch sees, or a replaced tensor, checks again. Inference tensors have no version
+    counter: metadata holding one is checked on every call (``AttentionMetadataBuilder``
+    makes ordinary tensors even under ``torch.inference_mode()``). Writes torch does not see
+    (through ``.numpy()``, ``.data`` or the storage) are not noticed, as autograd does not
+    notice them either.
     """
-    if not hasattr(metadata, "__dict__"):
-        return None
     tensors = (
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table, metadata.slot_mapping
     )  # fmt: skip
+    if any(t.is_inference() for t in tensors):
+        return None
     return tensors, (
-        tuple(None if t.is_inference() else t._version for t in tensors),
+        tuple(t._version for t in tensors),
         metadata.num_actual_tokens,
         num_tokens,
         uses_cache(impl),
@@ -181,9 +184,28 @@ def _metadata_stamp(
     )
 
 
-def _same_stamp(stored: object, stamp: _Stamp) -> bool:
+def _remembered(metadata: object) -> _Stamp | None:
+    """The stamp of ``metadata``'s last passed check, if it is still alive and recorded."""
+    entry = _STAMPS.get(id(metadata))
+    if entry is None or entry[0]() is not metadata:
+        return None
+    return entry[1]
+
+
+def _remember(metadata: object, stamp: _Stamp) -> None:
+    """Record ``stamp`` for ``metadata`` until it is garbage (not for objects without weak
+    references, which are then checked on every call)."""
+    key = id(metadata)
+    try:
+        ref = weakref.ref(metadata, lambda _, key=key: _STAMPS.pop(key, None))  # type: ignore[misc]
+    except TypeError:
+        return
+    _STAMPS[key] = (ref, stamp)
+
+
+def _same_stamp(stored: _Stamp | None, stamp: _Stamp) -> bool:
     """Whether ``stored`` is ``stamp``: the same tensor objects (by identity) and facts."""
-    if not isinstance(stored, tuple):
+    if stored is None:
         return False
     tensors, facts = stored
     return all(a is b for a, b in zip(tensors, stamp[0], strict=True)) and facts == stamp[1]

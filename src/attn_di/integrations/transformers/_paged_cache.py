@@ -393,7 +393,8 @@ class PagedCache(Cache):
         tables = self._allocate(seq_lens)
         width = max(1, max(len(table) for table in tables))
         rows = [table + [table[-1] if table else 0] * (width - len(table)) for table in tables]
-        block_table = torch.tensor(rows, dtype=torch.int32)
+        with torch.inference_mode(False):  # versioned: backends remember checking it
+            block_table = torch.tensor(rows, dtype=torch.int32)
         self._seq_lens = seq_lens
         batch = StepBatch(
             self._step,
