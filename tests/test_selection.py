@@ -633,6 +633,15 @@ def test_vllms_own_config_selects_while_its_extra_flags_ask_for_nothing(
         select_backend(vllm_config._asdict(), device="cpu")
 
 
+@pytest.mark.parametrize("off", [None, 0, "false", "0", "no"], ids=repr)
+def test_an_unmodelled_flag_reads_false_as_the_modelled_flags_do(
+    cpu_fakes: dict[AttentionBackendEnum, type], off: object
+) -> None:
+    """An unmodelled flag off in any form a modelled flag takes as False asks for nothing."""
+    config = VllmSelectorConfig(64, "bfloat16", "auto", 16, use_mm_prefix=off)  # type: ignore[arg-type]
+    assert select_backend(config, device="cpu").config.head_size == 64
+
+
 @pytest.mark.parametrize(
     "flags",
     [{"use_mm_prefix": True}, {"use_non_causal": True, "use_per_head_quant_scales": True}],
@@ -658,7 +667,7 @@ def test_an_unmodelled_flag_that_is_set_is_refused(flags: dict[str, bool]) -> No
         ({"head_size": 0}, "head_size: must be a positive int, got 0"),
         ({"dtype": "bfloat"}, "did you mean 'bfloat16'"),
         ({"attn_type": "decodr"}, "did you mean 'decoder'"),
-        ({"dtype": None}, "missing dtype"),
+        ({"dtype": None}, r"config \(ModelledSelectorConfig\): missing dtype"),
     ],
 )
 def test_a_named_tuple_is_validated_like_a_config(fields: dict[str, Any], match: str) -> None:

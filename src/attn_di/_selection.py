@@ -366,7 +366,8 @@ def _config_from(values: object) -> tuple[AttentionSelectorConfig, Any, Any]:
     """``(config, device, backend)`` from a mapping of the config's fields, plus optional
     ``device`` and ``backend`` keys (None when absent); a NamedTuple is read as its
     ``_asdict()``, under the same rules, except that fields attn_di does not model are
-    ignored while False or None (vLLM's config has flags it does not model).
+    ignored while they ask for nothing (None, or False as the modelled flags read it: vLLM's
+    config has flags attn_di does not model).
 
     Raises:
         InvalidBackendTypeError: neither a mapping nor a NamedTuple.
@@ -392,7 +393,7 @@ def _config_from(values: object) -> tuple[AttentionSelectorConfig, Any, Any]:
         # Another project's config (vLLM's carries use_mm_prefix, use_per_head_quant_scales,
         # use_non_causal): its field names are not typos. A flag attn_di does not model is
         # harmless while it asks for nothing (False or None); one that is set is refused.
-        for name in [name for name in unknown if given[name] is None or given[name] is False]:
+        for name in [name for name in unknown if _asks_nothing(name, given[name])]:
             del given[name]
         unknown = [name for name in unknown if name in given]
     if unknown:
@@ -413,6 +414,12 @@ def _config_from(values: object) -> tuple[AttentionSelectorConfig, Any, Any]:
             hint=f"did you mean {close.lower()!r}?" if close else None,
         )
     missing = [name for name in ("head_size", "dtype") if given.get(name) is None]
+    if missing and named_tuple:
+        raise InvalidInputError(
+            f"config ({named_tuple})",
+            f"missing {', '.join(missing)}",
+            hint='give the NamedTuple a head_size (e.g. 128) and a dtype (e.g. "bfloat16")',
+        )
     if missing:
         raise InvalidInputError(
             "attention settings",
@@ -421,6 +428,17 @@ def _config_from(values: object) -> tuple[AttentionSelectorConfig, Any, Any]:
             '"dtype": "bfloat16"})',
         )
     return AttentionSelectorConfig(**given), device, backend
+
+
+def _asks_nothing(name: str, value: object) -> bool:
+    """Whether an unmodelled field's ``value`` asks for nothing: None, or False as the
+    modelled flags read it (``False``, ``0``, ``"false"``, NumPy's ``False_``)."""
+    if value is None:
+        return True
+    try:
+        return not _flag(name, value)
+    except InvalidInputError:
+        return False
 
 
 def _is_named_tuple(values: object) -> TypeGuard[NamedTupleConfig]:
