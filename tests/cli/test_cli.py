@@ -392,6 +392,24 @@ def test_backend_all_outside_run_says_where_all_is_accepted() -> None:
     )
 
 
+@pytest.mark.parametrize("typo", ["alll", "al"])
+def test_a_typo_of_all_is_answered_with_all(typo: str) -> None:
+    """A near miss of `all`: `run` suggests it and lists it among the valid options; any other
+    command says only `run` takes it (never PALLAS)."""
+    result = attn_di("run", "--backend", typo)
+    assert result.returncode == 2
+    error, hint = error_and_hint(result)
+    assert error.endswith("CPU_ATTN, CUSTOM, auto, all")
+    assert hint.startswith("did you mean 'all' (every backend, one after another)?")
+    result = attn_di("select", "--head-size", "64", "--dtype", "bf16", "--backend", typo)
+    assert result.returncode == 2
+    assert error_and_hint(result)[1] == (
+        "did you mean all? `all` is accepted only by `attn-di run --backend all`; "
+        "`attn-di list` shows every backend"
+    )
+    assert "PALLAS?" not in result.stderr
+
+
 def test_a_backend_refused_from_attn_di_backend_says_so() -> None:
     """ATTN_DI_BACKEND=FLASH_ATTN on this CPU: the refusal and its hint name the variable."""
     result = attn_di("run", "--iters", "1", ATTN_DI_BACKEND="FLASH_ATTN")

@@ -404,7 +404,13 @@ def _check_backend_names(args: argparse.Namespace) -> None:
         try:
             parse_backend_name(flag)
         except UnknownBackendError as exc:
-            raise InvalidInputError("--backend", exc.message(), _unknown_backend_hint(exc)) from exc
+            message, hint = exc.message(), _unknown_backend_hint(exc)
+            if args.command == "run":  # `run` also takes `all`: list it, and suggest it
+                message += ", all"
+                if closest_name(str(flag), [*exc.choices, "all"]) == "all":
+                    hint = "did you mean 'all' (every backend, one after another)? `attn-di list` "
+                    hint += "shows every backend"
+            raise InvalidInputError("--backend", message, hint) from exc
     env = os.environ.get(BACKEND_ENV)
     if env is not None and not given and args.command != "list":
         try:
@@ -431,10 +437,11 @@ def _canonical_dtype(text: str) -> str:
 
 def _unknown_backend_hint(exc: UnknownBackendError, variable: str | None = None) -> str:
     """The CLI's hint for an unknown name: the closest one, and CLI commands (not Python)."""
-    if str(exc.name).strip().lower() == "all":
+    if closest_name(str(exc.name), [*exc.choices, "all"]) == "all":  # `all` or a typo of it
         where = f", not by {variable}: set it to one backend name or unset it" if variable else ""
+        near = "" if str(exc.name).strip().lower() == "all" else "did you mean all? "
         return (
-            f"`all` is accepted only by `{ALL_BACKENDS_COMMAND}`{where}; "
+            f"{near}`all` is accepted only by `{ALL_BACKENDS_COMMAND}`{where}; "
             "`attn-di list` shows every backend"
         )
     if variable is not None:
