@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import transformers
+from pytest_mock import MockerFixture
 
 from attn_di.exceptions import InvalidBackendTypeError, InvalidInputError, UnsupportedFeatureError
 from attn_di.integrations.transformers import PagedCache
@@ -281,3 +284,24 @@ def test_several_return_sequences_match_eager(llama: transformers.PreTrainedMode
     assert tokens.shape[0] == 8
     assert tokens.tolist() == expected.tolist()
     assert len(cache.seq_lens) == 8
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=lambda m: m.__name__)
+def test_the_layers_of_a_step_check_its_metadata_once(
+    llama: transformers.PreTrainedModel, mocker: MockerFixture, mode: Any
+) -> None:
+    """One metadata check per step, not per layer, also under inference_mode (the step's
+    tensors keep version counters there)."""
+    from attn_di.backends import _common
+
+    ids, mask = left_padded(PROMPTS)
+    cache = PagedCache(llama.config)
+    spy = mocker.spy(_common, "_check_metadata")
+    with mode():
+        llama(input_ids=ids, attention_mask=mask, cache=cache)
+        assert spy.call_count == 1
+        step = torch.tensor([[12], [13]])
+        llama(
+            input_ids=step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), cache=cache
+        )
+    assert spy.call_count == 2
