@@ -614,3 +614,40 @@ def test_status_command_reports_a_bad_switch_in_one_line(monkeypatch: pytest.Mon
     assert lines[1:] == [
         "hint: set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch)"
     ]
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "head-major view"])
+def test_compiled_cache_write_matches_the_torch_write(dtype: torch.dtype, layout: str) -> None:
+    """write_kv_cache writes what index_copy_ writes (padding slots skipped, strided rows
+    read through their strides) and leaves every other slot's garbage as it was."""
+    from attn_di.backends._common import write_kv_cache
+
+    op = _cpu_kernel.write_kv_cache_op()
+    assert op is not None
+    generator = torch.Generator().manual_seed(0)
+    if layout == "contiguous":
+        key = torch.randn(7, 3, 40, generator=generator).to(dtype)
+        value = torch.randn(7, 3, 40, generator=generator).to(dtype)
+    else:  # [H_kv, N, D] transposed to [N, H_kv, D], as a model's projections often come
+        key = torch.randn(3, 7, 40, generator=generator).to(dtype).transpose(0, 1)
+        value = torch.randn(3, 7, 40, generator=generator).to(dtype).transpose(0, 1)
+    slots = torch.tensor([5, -1, 0, 63, 17, -1, 30])
+    expected = torch.full((2, 4, 16, 3, 40), float("nan"), dtype=dtype)
+    got = expected.clone()
+    write_kv_cache(key, value, expected, slots)
+    op(key, value, got, slots)
+    torch.testing.assert_close(got, expected, equal_nan=True, atol=0, rtol=0)
+    assert int(got.isnan().any(dim=(-1, -2)).sum()) == 2 * 64 - 2 * 5  # five slots written
+
+
+@requires_kernel
+def test_compiled_cache_write_refuses_a_slot_outside_before_writing() -> None:
+    """A slot past the cache is refused with nothing written (the impl checks it earlier)."""
+    op = _cpu_kernel.write_kv_cache_op()
+    assert op is not None
+    kv_cache = torch.zeros(2, 1, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="slot 4 of token 1 is outside the cache"):
+        op(torch.ones(2, 1, 8), torch.ones(2, 1, 8), kv_cache, torch.tensor([0, 4]))
+    assert not bool(kv_cache.any())

@@ -57,7 +57,7 @@ class GroupedAttentionImpl(AttentionImpl):
         result = new_output(query, output)
         actual = attn_metadata.num_actual_tokens
         if uses_cache(self):
-            write_kv_cache(key[:actual], value[:actual], kv_cache, attn_metadata.slot_mapping)
+            self._write_kv_cache(key[:actual], value[:actual], kv_cache, attn_metadata.slot_mapping)
             flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
             key_src, value_src = flat[0], flat[1]
             block_size = int(kv_cache.shape[2])
@@ -71,6 +71,17 @@ class GroupedAttentionImpl(AttentionImpl):
             attended = attended.transpose(1, 2)[group.query_valid]
             rows[group.query_index[group.query_valid]] = attended.to(result.dtype)
         return result
+
+    def _write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write the step's keys/values at their slots (:func:`write_kv_cache`); a backend
+        with a faster way overrides this."""
+        write_kv_cache(key, value, kv_cache, slot_mapping)
 
     def _forward_fast(
         self,

@@ -100,6 +100,30 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             workspace = self._workspaces.buffers = _Workspace()
         return workspace
 
+    def _write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """One compiled call (``torch.ops.attn_di.write_kv_cache``) where it applies: CPU,
+        rows contiguous in their last dimension, no gradient wanted; else the torch path."""
+        op = _cpu_kernel.write_kv_cache_op()
+        wants_grad = torch.is_grad_enabled() and (
+            key.requires_grad or value.requires_grad or kv_cache.requires_grad
+        )
+        if (
+            op is None
+            or wants_grad
+            or key.device.type != "cpu"
+            or key.stride(-1) != 1
+            or value.stride(-1) != 1
+        ):
+            super()._write_kv_cache(key, value, kv_cache, slot_mapping)
+            return
+        op(key, value, kv_cache, slot_mapping)
+
     def _forward_fast(
         self,
         query: torch.Tensor,

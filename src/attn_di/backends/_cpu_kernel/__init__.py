@@ -49,6 +49,7 @@ __all__ = [
     "kernel_status",
     "paged_attention_op",
     "pure_torch",
+    "write_kv_cache_op",
 ]
 
 logger = logging.getLogger("attn_di.backends")
@@ -100,6 +101,7 @@ class KernelStatus:
 _LOCK = threading.Lock()
 _STATUS: KernelStatus | None = None
 _OP: Any = None
+_WRITE_OP: Any = None
 _PURE_TORCH = 0  # > 0 inside pure_torch() blocks
 
 
@@ -112,7 +114,7 @@ def kernel_status() -> KernelStatus:
     Raises:
         InvalidInputError: ``ATTN_DI_CPU_KERNEL`` holds something other than on/off.
     """
-    global _STATUS, _OP
+    global _STATUS, _OP, _WRITE_OP
     if _STATUS is not None:
         return _STATUS
     with _LOCK:
@@ -134,6 +136,7 @@ def kernel_status() -> KernelStatus:
             import torch
 
             _OP = torch.ops.attn_di.paged_attention
+            _WRITE_OP = torch.ops.attn_di.write_kv_cache
             _STATUS = KernelStatus(True, isa, f"loaded from {library}", str(library))
         except Exception as exc:  # any failure means: fall back, and say why
             reason = _one_line(exc)
@@ -150,6 +153,19 @@ def paged_attention_op() -> Any:
     if _PURE_TORCH:
         return None
     return _OP if kernel_status().active else None
+
+
+def write_kv_cache_op() -> Any:
+    """``torch.ops.attn_di.write_kv_cache``, or None when CPU_ATTN uses pure torch.
+
+    ``op(key, value, kv_cache, slot_mapping)`` writes each token's ``[H_kv, D]`` key and
+    value rows at its slot of the contiguous ``[2, num_blocks, block_size, H_kv, D]`` cache,
+    skipping negative slots, in one call (vLLM's ``reshape_and_cache`` for this layout). It
+    records no autograd history.
+    """
+    if _PURE_TORCH:
+        return None
+    return _WRITE_OP if kernel_status().active else None
 
 
 @contextmanager

@@ -35,6 +35,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -754,6 +755,48 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
   }
 }
 
+// kv_cache[0] rows <- key rows, kv_cache[1] rows <- value rows, each token's at its slot
+// (slot = block * block_size + offset, vLLM's reshape_and_cache for this layout); a negative
+// slot (padding) is skipped. Every slot is checked before anything is written.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping_in) {
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu(),
+              "attn_di write_kv_cache: CPU tensors only");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [N, H_kv, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, H_kv, D]");
+  TORCH_CHECK(kv_cache.size(3) == key.size(1) && kv_cache.size(4) == key.size(2),
+              "key and kv_cache head axes differ");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type(),
+              "key, value and kv_cache must share one dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be contiguous");
+  const int64_t n = key.size(0), heads = key.size(1), size = key.size(2);
+  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) >= n, "slot_mapping needs one slot per token");
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " of token ", t, " is outside the cache");
+  const int64_t item = static_cast<int64_t>(kv_cache.element_size());
+  const int64_t row_bytes = heads * size * item, head_bytes = size * item;
+  char* keys = static_cast<char*>(kv_cache.data_ptr());
+  char* values = keys + num_slots * row_bytes;
+  const char* key_data = static_cast<const char*>(key.const_data_ptr());
+  const char* value_data = static_cast<const char*>(value.const_data_ptr());
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot[t] < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t at = slot[t] * row_bytes + h * head_bytes;
+        std::memcpy(keys + at, key_data + (t * key.stride(0) + h * key.stride(1)) * item, head_bytes);
+        std::memcpy(values + at, value_data + (t * value.stride(0) + h * value.stride(1)) * item,
+                    head_bytes);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 std::string isa() { return ATTN_DI_STRINGIFY(ATTN_DI_KERNEL_ISA); }
@@ -765,9 +808,12 @@ TORCH_LIBRARY(attn_di, m) {
       "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor(a!) out, float scale, int sliding_window, float soft_cap, "
       "Tensor? alibi_slopes=None, Tensor? sinks=None) -> ()");
+  m.def(
+      "write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("isa() -> str", &attn_di_kernel::isa);
 }
 
 TORCH_LIBRARY_IMPL(attn_di, CPU, m) {
   m.impl("paged_attention", &attn_di_kernel::paged_attention);
+  m.impl("write_kv_cache", &attn_di_kernel::write_kv_cache);
 }
