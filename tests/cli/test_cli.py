@@ -296,11 +296,17 @@ def test_a_bad_option_points_to_its_subcommands_help(args: list[str], hint: str)
         (["run", "--versin"], "unrecognized arguments: --versin",
          "did you mean --version (before `run`)? see `attn-di --help`"),
         (["--bogus"], "unrecognized arguments: --bogus", "see `attn-di --help`"),
+        (["--head-siz", "64", "select"], "unrecognized arguments: --head-siz",
+         "did you mean --head-size (after `select`)? see `attn-di select --help`"),
+        (["nosuchcmd", "--registr", "x"],
+         "argument COMMAND: invalid choice: 'nosuchcmd' (choose from 'list', 'select', 'run')",
+         "see `attn-di --help`"),
     ],
 )  # fmt: skip
 def test_a_global_option_typo_suggests_the_option(args: list[str], error: str, hint: str) -> None:
     """A typo of --register, --import or --version, before or after the command, is named
-    and the closest option among attn-di's own and the command's is suggested."""
+    and the closest option among attn-di's own and the command's is suggested; a command's
+    option typed before it is told to go after it; an unknown command is the error reported."""
     result = attn_di(*args)
     assert result.returncode == 2
     assert error_and_hint(result) == (error, hint)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -282,9 +283,12 @@ def _first_unknown_option(
     if not commands or _COMMAND not in message:
         return None
     known = _options(parser)
+    invalid = re.search(r"invalid choice: '([^']*)'", message)
     for word in given:
         if word == "--" or word in commands:
             return None
+        if invalid is not None and word == invalid.group(1):
+            return None  # an unknown command comes first: it is the error to report
         option = word.split("=", 1)[0]
         if not word.startswith("-") or word == "-" or _is_negative_number(word):
             continue
@@ -315,7 +319,14 @@ def _unknown_option_hint(parser: argparse.ArgumentParser, wrong: str, given: Seq
         help_of = command if command is not None else parser
         return f"see `{help_of.prog} --help`"
     if command is not None and close in command_options:
-        return f"did you mean {close}? see `{command.prog} --help`"
+        words = list(given)
+        before = (
+            command_name is not None
+            and wrong in words
+            and words.index(wrong) < words.index(command_name)
+        )
+        where = f" (after `{command_name}`)" if before and close not in global_options else ""
+        return f"did you mean {close}{where}? see `{command.prog} --help`"
     where = f" (before `{command_name}`)" if command_name else ""
     return f"did you mean {close}{where}? see `{parser.prog} --help`"
 
