@@ -369,15 +369,21 @@ def _rows(tensor: torch.Tensor, index: tuple[torch.Tensor, ...] | None) -> torch
     return by_token[index]
 
 
-def _unpack(
-    out: torch.Tensor,
+def _forward_rows(
+    impl: AttentionImpl,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
     index: tuple[torch.Tensor, ...] | None,
-    batch: int,
-    q_len: int,
-    settings: tuple[int, int],
 ) -> torch.Tensor:
-    """``[N, H * D]`` -> ``[B, q, H, D]``, zeros at padding."""
-    heads, size = settings
+    """``impl.forward`` on the real tokens (``index``; all when None) of ``[B, h, q, D]``
+    query/key/value; the output back as ``[B, q, H, D]``, zeros at padding."""
+    batch, heads, q_len, size = (int(n) for n in query.shape)
+    out = impl.forward(
+        None, _rows(query, index), _rows(key, index), _rows(value, index), kv_cache, metadata
+    )
     if index is None:
         return out.view(batch, q_len, heads, size)
     result = out.new_zeros((batch, q_len, heads, size))
@@ -395,7 +401,7 @@ def _paged(
     value: torch.Tensor,
     valid: torch.Tensor | None,
 ) -> torch.Tensor:
-    batch, heads, q_len, size = (int(n) for n in query.shape)
+    batch, q_len = int(query.shape[0]), int(query.shape[2])
     valid_q = None if valid is None else valid[:, -q_len:]
     step = cache.step_batch(valid_q, batch, q_len)
     metadata = step.metadata_for(backend_cls, cache.block_size)
@@ -404,10 +410,7 @@ def _paged(
     index = None
     if step.batch_index is not None and step.column_index is not None:
         index = (step.batch_index, step.column_index)
-    out = impl.forward(
-        None, _rows(query, index), _rows(key, index), _rows(value, index), kv_cache, metadata
-    )
-    return _unpack(out, index, batch, q_len, (heads, size))
+    return _forward_rows(impl, query, key, value, kv_cache, metadata, index)
 
 
 def _contiguous(
@@ -424,7 +427,7 @@ def _contiguous(
     cache in attn_di's ``[2, B, k, H_kv, D]`` layout); the query tokens are the last ``q``
     columns, so the real ones are the last of each row's real keys.
     """
-    batch, heads, q_len, size = (int(n) for n in query.shape)
+    batch, q_len, size = int(query.shape[0]), int(query.shape[2]), int(query.shape[3])
     kv_heads, k_len = int(key.shape[1]), int(key.shape[2])
     expected = (2, batch, k_len, kv_heads, size)
     shape = tuple(backend_cls.get_kv_cache_shape(batch, k_len, kv_heads, size))
@@ -455,11 +458,7 @@ def _contiguous(
     )
     new_keys = key[:, :, k_len - q_len :]
     new_values = value[:, :, k_len - q_len :]
-    out = impl.forward(
-        None, _rows(query, index), _rows(new_keys, index), _rows(new_values, index), scratch,
-        metadata,
-    )  # fmt: skip
-    return _unpack(out, index, batch, q_len, (heads, size))
+    return _forward_rows(impl, query, new_keys, new_values, scratch, metadata, index)
 
 
 def _encoder_only(
@@ -471,7 +470,7 @@ def _encoder_only(
     valid: torch.Tensor | None,
 ) -> torch.Tensor:
     """Bidirectional self-attention of each row's real tokens (attn_di's ``encoder_only``)."""
-    batch, heads, q_len, size = (int(n) for n in query.shape)
+    batch, q_len = int(query.shape[0]), int(query.shape[2])
     if int(key.shape[2]) != q_len:
         raise _unsupported(backend_cls, "cross-attention (keys from another sequence)")
     if valid is None:
@@ -482,8 +481,4 @@ def _encoder_only(
         lens = valid.sum(dim=1)
         index = valid.nonzero(as_tuple=True)
     metadata = backend_cls.get_builder_cls()(1).build(lens, lens, None, causal=False)
-    out = impl.forward(
-        None, _rows(query, index), _rows(key, index), _rows(value, index), query.new_empty(0),
-        metadata,
-    )  # fmt: skip
-    return _unpack(out, index, batch, q_len, (heads, size))
+    return _forward_rows(impl, query, key, value, query.new_empty(0), metadata, index)
