@@ -41,3 +41,15 @@ def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torc
     ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
     return ids, mask
+
+
+def tiny_llama(implementation: str) -> transformers.PreTrainedModel:
+    """A 2-layer random-weight Llama (GQA: 4 query heads, 2 KV heads of 8), in eval mode, on
+    the attention ``implementation`` (e.g. ``"attn_di"``)."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(implementation)
+    return model

@@ -12,21 +12,15 @@ from pytest_mock import MockerFixture
 from attn_di.exceptions import InvalidBackendTypeError, InvalidInputError, UnsupportedFeatureError
 from attn_di.integrations.transformers import PagedCache
 
-from .conftest import left_padded
+from .conftest import left_padded, tiny_llama
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11]]
 
 
 @pytest.fixture(name="llama")
 def _llama() -> transformers.PreTrainedModel:
-    """A 2-layer random-weight Llama (GQA: 4 query heads, 2 KV heads of 8) on ``"attn_di"``."""
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("attn_di:CPU_ATTN")
-    return model
+    """The tiny Llama of the conftest on ``"attn_di:CPU_ATTN"``."""
+    return tiny_llama("attn_di:CPU_ATTN")
 
 
 def test_keys_live_at_their_slots_in_the_backend_layout(

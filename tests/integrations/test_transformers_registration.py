@@ -26,7 +26,7 @@ from attn_di.integrations.transformers import (
     register,
 )
 
-from .conftest import left_padded
+from .conftest import left_padded, tiny_llama
 
 CALLS: list[str] = []
 
@@ -71,14 +71,8 @@ RecordingSDPAImpl.backend = RecordingSDPABackend
 
 @pytest.fixture(name="llama")
 def _llama() -> transformers.PreTrainedModel:
-    """A 2-layer random-weight Llama using ``"attn_di"``."""
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("attn_di")
-    return model
+    """The tiny Llama of the conftest on ``"attn_di"``."""
+    return tiny_llama("attn_di")
 
 
 @pytest.fixture(name="calls")
