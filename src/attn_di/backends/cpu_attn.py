@@ -110,12 +110,9 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         """One compiled call (``torch.ops.attn_di.write_kv_cache``) where it applies: CPU,
         rows contiguous in their last dimension, no gradient wanted; else the torch path."""
         op = _cpu_kernel.write_kv_cache_op()
-        wants_grad = torch.is_grad_enabled() and (
-            key.requires_grad or value.requires_grad or kv_cache.requires_grad
-        )
         if (
             op is None
-            or wants_grad
+            or _wants_grad(key, value, kv_cache)
             or key.device.type != "cpu"
             or key.stride(-1) != 1
             or value.stride(-1) != 1
@@ -430,8 +427,7 @@ def _use_flash_kernel(
         return False
     if impl.logits_soft_cap is not None or impl.alibi_slopes is not None:
         return False
-    wants_grad = query.requires_grad or key_src.requires_grad or value_src.requires_grad
-    return not (torch.is_grad_enabled() and wants_grad)
+    return not _wants_grad(query, key_src, value_src)
 
 
 def _kernel_applies(
@@ -449,7 +445,13 @@ def _kernel_applies(
         return False
     if not (metadata.causal or metadata.max_query_len == 1):
         return False
-    return not (torch.is_grad_enabled() and (query.requires_grad or kv_cache.requires_grad))
+    return not _wants_grad(query, kv_cache)
+
+
+def _wants_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on ``tensors`` (grad mode on, one requires grad):
+    the compiled ops and torch's fused flash kernel record nothing, so they are skipped."""
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
 
 
 def _is_pure_decode(
