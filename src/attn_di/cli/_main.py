@@ -418,7 +418,7 @@ def _check_backend_names(args: argparse.Namespace) -> None:
             message, hint = exc.message(), _unknown_backend_hint(exc)
             if args.command == "run":  # `run` also takes `all`: list it, and suggest it
                 message += ", all"
-                if closest_name(str(flag), [*exc.choices, "all"]) == "all":
+                if _means_all(exc):
                     hint = "did you mean 'all' (every backend, one after another)? `attn-di list` "
                     hint += "shows every backend"
             raise InvalidInputError("--backend", message, hint) from exc
@@ -446,9 +446,14 @@ def _canonical_dtype(text: str) -> str:
         raise
 
 
+def _means_all(exc: UnknownBackendError) -> bool:
+    """The unknown name is `all` or a typo of it (closer to it than to any member)."""
+    return closest_name(str(exc.name), [*exc.choices, "all"]) == "all"
+
+
 def _unknown_backend_hint(exc: UnknownBackendError, variable: str | None = None) -> str:
     """The CLI's hint for an unknown name: the closest one, and CLI commands (not Python)."""
-    if closest_name(str(exc.name), [*exc.choices, "all"]) == "all":  # `all` or a typo of it
+    if _means_all(exc):
         where = f", not by {variable}: set it to one backend name or unset it" if variable else ""
         near = "" if str(exc.name).strip().lower() == "all" else "did you mean all? "
         return (
