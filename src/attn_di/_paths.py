@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any
 
-from attn_di.exceptions import BackendImportError, InvalidClassPathError
+from attn_di.exceptions import BackendImportError, InvalidClassPathError, closest_name
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
@@ -130,14 +130,11 @@ def _getattr_chain(module: Any, attrs: list[str], class_path: str, member: str) 
             target = getattr(target, attr)
         except AttributeError as exc:
             names = [name for name in dir(target) if not name.startswith("_")]
-            import difflib  # only on error paths: keeps `import attn_di` light
-
-            close = difflib.get_close_matches(attr, names, n=1, cutoff=0.6)
             raise BackendImportError(
                 member,
                 class_path,
                 BackendImportError.ATTRIBUTE_NOT_FOUND,
                 f"{getattr(target, '__name__', target)!s} has no attribute {attr!r}",
-                close[0] if close else None,
+                closest_name(attr, names),
             ) from exc
     return target

@@ -54,15 +54,41 @@ __all__ = [
 
 
 def closest_name(name: str, choices: Iterable[str]) -> str | None:
-    """Return the choice closest to ``name`` (case-insensitive), or None if nothing is close."""
-    by_upper = {choice.upper(): choice for choice in choices}
-    wanted = name.strip().upper()
-    if wanted in by_upper:
-        return by_upper[wanted]
+    """The choice closest to what was typed, or None if nothing is close.
+
+    The one suggestion rule of attn_di's errors (member names, CLI commands and options):
+    names are compared as the name rule reads them (case-insensitive, spaces and hyphens as
+    ``_``). A choice spelled the same wins; then, for three or more characters typed, the
+    first choice (in the order given) that starts with them (``TRITON`` -> ``TRITON_ATTN``,
+    not ``TRITON_MLA``); then the only choice one of whose ``_``-separated words they are
+    (``sdpa`` -> ``TORCH_SDPA``); then the closest spelling (``difflib``, ratio >= 0.6).
+    """
+    by_key: dict[str, str] = {}
+    for choice in choices:
+        by_key.setdefault(_comparable(choice), choice)
+    wanted = _comparable(name)
+    if not wanted.strip("_"):
+        return None
+    if wanted in by_key:
+        return by_key[wanted]
+    if len(wanted.strip("_")) >= 3:
+        for key, choice in by_key.items():
+            if key.startswith(wanted):
+                return choice
+        words = [choice for key, choice in by_key.items() if wanted in key.split("_")]
+        if len(words) == 1:
+            return words[0]
     import difflib  # only on error paths: keeps `import attn_di` light
 
-    matches = difflib.get_close_matches(wanted, list(by_upper), n=1, cutoff=0.6)
-    return by_upper[matches[0]] if matches else None
+    matches = difflib.get_close_matches(wanted, list(by_key), n=1, cutoff=0.6)
+    return by_key[matches[0]] if matches else None
+
+
+def _comparable(name: str) -> str:
+    """``name`` as suggestions compare it: the name rule's spelling, upper case."""
+    import re
+
+    return re.sub(r"[\s-]+", "_", name.strip()).upper()
 
 
 ALL_BACKENDS_COMMAND = "attn-di run --backend all"
@@ -222,6 +248,13 @@ class BackendImportError(AttnDIError, ImportError):
             self.hint = f"register the backend class itself for {member}, e.g. pkg.mod.MyBackend"
         else:
             self.hint = f"check the class name, or register another class for {member}"
+
+    def fixed_path(self) -> str | None:
+        """``class_path`` with the missing attribute replaced by :attr:`suggestion`, or None."""
+        if self.reason != self.ATTRIBUTE_NOT_FOUND or not self.suggestion:
+            return None
+        cut = max(self.class_path.rfind("."), self.class_path.rfind(":"))
+        return self.class_path[: cut + 1] + self.suggestion
 
     def message(self) -> str:
         return (
