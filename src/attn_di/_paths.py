@@ -84,8 +84,9 @@ def import_class_path(class_path: str, member: str) -> Any:
                     first_missing = first_missing or exc
                     break
                 raise BackendImportError(
-                    member, class_path, BackendImportError.MODULE_FAILED, f"{exc}"
-                ) from exc
+                    member, class_path, BackendImportError.MODULE_FAILED, f"{exc}",
+                    missing_module=exc.name,
+                ) from exc  # fmt: skip
             first_missing = first_missing or exc
             continue
         except Exception as exc:
@@ -99,7 +100,11 @@ def import_class_path(class_path: str, member: str) -> Any:
         return _getattr_chain(module, attrs, class_path, member)
     assert first_missing is not None
     raise BackendImportError(
-        member, class_path, BackendImportError.MODULE_NOT_FOUND, str(first_missing)
+        member,
+        class_path,
+        BackendImportError.MODULE_NOT_FOUND,
+        str(first_missing),
+        missing_module=first_missing.name,
     ) from first_missing
 
 

