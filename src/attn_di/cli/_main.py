@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     listing = add_command("list", "every backend, where it comes from, if it imports")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.add_argument(
+        "--wide",
+        action="store_true",
+        help="the table as wide as its cells, with whole error messages "
+        "(default: it fits 100 columns, paths wrapped)",
+    )
 
     select = add_command("select", "which backend a configuration gets, and why")
     _add_config_arguments(select)
