@@ -11,7 +11,7 @@ echo "== mypy examples";     $PY -m mypy --strict examples/engine
                              $PY -m mypy --strict examples/tiny_llm
                              $PY -m mypy --strict examples/smollm2
 echo "== mkdocs build --strict"
-                             $PY -m mkdocs build --strict --quiet --site-dir site
+                             NO_MKDOCS_2_WARNING=1 $PY -m mkdocs build --strict --quiet --site-dir site
 # tests/test_docs.py reads the site just built instead of building its own
 echo "== pytest";            ATTN_DI_DOCS_SITE="$PWD/site" \
                              $PY -m pytest -q tests --hypothesis-profile=ci "$@"

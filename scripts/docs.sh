@@ -3,6 +3,7 @@
 # `bash scripts/docs.sh serve` builds and serves it on http://127.0.0.1:8000 with live reload.
 # Sets up .venv first (scripts/setup.sh installs the docs extra with the rest).
 set -euo pipefail
+export NO_MKDOCS_2_WARNING=1  # mkdocs-material's end-of-life banner on every build
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null
 case "${1:-build}" in

@@ -111,6 +111,7 @@ def _site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "WARNING" not in result.stderr, result.stderr
