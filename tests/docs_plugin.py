@@ -12,7 +12,8 @@ and a clean ``ATTN_DI_*`` environment, and reads more words of a block's info st
   written under its name into the directory where the page's script and test blocks run (so
   a test module can import the module the page wrote before it);
 - ``vllm``: the block needs vLLM: skipped here, run by the vLLM suite (tests/vllm/, in its
-  own virtual environment).
+  own virtual environment), which runs this plugin with ``ATTN_DI_DOCS_VLLM=1``: then only
+  the ``vllm`` blocks run.
 
 The site's MkDocs hook (scripts/mkdocs_hooks.py) renders these fences as plain ``python``.
 The runner API is pytest-markdown-docs 0.9's (``pytest_markdown_docs._runners``), pinned in
@@ -38,6 +39,7 @@ from attn_di import BackendContainer
 
 TIMEOUT_S = 300
 VLLM_WORD = "vllm"
+ONLY_VLLM_ENV = "ATTN_DI_DOCS_VLLM"
 
 
 @pytest.fixture(autouse=True)
@@ -68,11 +70,18 @@ def _option(words: list[str], prefix: str) -> str | None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Skip the blocks marked ``vllm`` (the vLLM suite runs them)."""
+    """Skip the blocks marked ``vllm`` (the vLLM suite runs them); with ``ATTN_DI_DOCS_VLLM=1``
+    (the vLLM suite, in its own environment) run only those and skip the others."""
+    only_vllm = os.environ.get(ONLY_VLLM_ENV) == "1"
     for item in items:
         test = getattr(item, "test_definition", None)
-        if isinstance(test, FenceTestDefinition) and VLLM_WORD in info_words(test):
+        if not isinstance(test, FenceTestDefinition):
+            continue
+        needs_vllm = VLLM_WORD in info_words(test)
+        if needs_vllm and not only_vllm:
             item.add_marker(pytest.mark.skip(reason="needs vLLM: tests/vllm/ runs this block"))
+        elif only_vllm and not needs_vllm:
+            item.add_marker(pytest.mark.skip(reason="not a vLLM block: tests/test_docs.py runs it"))
 
 
 def _run_block(test: FenceTestDefinition, filename: str, command: list[str]) -> None:
