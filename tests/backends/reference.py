@@ -74,12 +74,17 @@ KV_LAYOUTS: dict[str, tuple[int, ...] | None] = {
     "blocks-outermost": (1, 0, 2, 3, 4),
     "head-major": (0, 1, 3, 2, 4),
     "blocks-outermost-head-major": (1, 0, 3, 2, 4),
+    "vllm-LBNHC": (1, 2, 3, 0, 4),
+    "vllm-LBHNC": (1, 3, 2, 0, 4),
 }
 """Physical layouts of a ``[2, num_blocks, block_size, H_kv, D]`` cache, as a stride order
 (vLLM's ``get_kv_cache_stride_order``: the order of the logical axes in memory, outermost
 first). ``"declared"``: the backend's own (``get_kv_cache_stride_order``);
 ``"blocks-outermost"``: the buffer vLLM hands a layer (block b's keys and values in one page);
-the head-major ones keep each KV head's block contiguous, as vLLM's CPU backend does."""
+the head-major ones keep each KV head's block contiguous, as vLLM's CPU backend does. The
+``vllm-*`` ones are what vLLM 0.32 hands each layer (``[num_blocks, H_kv, block_size, 2 * D]``
+in its layout ``LBNHC`` or ``LBHNC``, ``v1/kv_cache_layout.py``): key and value interleaved
+in one row, so the K/V axis has the smallest stride but the last."""
 
 
 def slot_index(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
