@@ -34,53 +34,29 @@
 // product, so garbage (NaN/Inf) anywhere else in the cache cannot reach the output.
 // Accumulation is float32 whatever the cache dtype.
 
+#include "kernel.h"
+
 #include <ATen/MemoryOverlap.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
 #include <numeric>
-#include <type_traits>
-#include <vector>
-
-#ifndef ATTN_DI_KERNEL_ISA
-#define ATTN_DI_KERNEL_ISA default
-#endif
-#define ATTN_DI_STRINGIFY_(x) #x
-#define ATTN_DI_STRINGIFY(x) ATTN_DI_STRINGIFY_(x)
 
 namespace attn_di_kernel {
 namespace {
 
-using fVec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = fVec::size();
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Most float scores an item keeps at once (query rows x keys): 256 KiB, an L2's share.
 constexpr int64_t kScoreBudget = 64 * 1024;
 // Fewest keys per partition: below this the merge and the per-item set-up dominate.
 constexpr int64_t kMinPartition = 256;
 
-struct Options {
-  int64_t heads, kv_heads, group, head_size, block_size, num_blocks;
-  float scale;
-  int64_t window;     // 0: none
-  float soft_cap;     // 0: none
-  const float* alibi; // [H] or nullptr
-  const float* sinks; // [H] or nullptr
-};
+// Longest query (tokens per sequence) the decode kernel takes; longer ones, and non-causal
+// queries of more than one token, go to the prefill kernel (prefill.cpp).
+constexpr int64_t kDecodeMaxQuery = 16;
 
 struct Sequence {
   int64_t first_query, q_len, seq_len, lo;  // lo: first key any of its queries sees
+  bool prefill;  // attended by the prefill kernel
   int64_t first_item, num_items;
   int64_t partial_offset;  // into the partial buffers, in rows, when num_items > 1
 };
@@ -269,31 +245,6 @@ inline void value_tile(const T* const* v, int64_t nt, const float* p, int64_t p_
     }
     for (int r = 0; r < NR; ++r) a[r].store(acc + r * size + d, rest);
   }
-}
-
-// One strided cache plane ([num_blocks, block_size, H_kv, D], last dim contiguous).
-template <typename T>
-struct CacheView {
-  const T* base;
-  int64_t block_stride, token_stride, head_stride;
-
-  // The token row of position `offset` in block `block` (its KV head 0).
-  const T* row(int64_t block, int64_t offset) const {
-    return base + block * block_stride + offset * token_stride;
-  }
-};
-
-// D values of a cache row as float32 into `dst`.
-template <typename T>
-inline void convert_head(const T* src, int64_t n, float* dst) {
-  using bVec = at::vec::Vectorized<T>;
-  int64_t i = 0;
-  for (; i + bVec::size() <= n; i += bVec::size()) {
-    auto converted = at::vec::convert_to_float<T>(bVec::loadu(src + i));
-    std::get<0>(converted).store(dst + i);
-    std::get<1>(converted).store(dst + i + kLanes);
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 // A token row (H_kv heads of D values, head g at row + g * head_stride) as float32 [H_kv, D]:
@@ -674,11 +625,6 @@ void check_caches(const char* op, const at::Tensor& key_cache, const at::Tensor&
 }
 
 template <typename T>
-CacheView<T> cache_view(const at::Tensor& cache) {
-  return {cache.const_data_ptr<T>(), cache.stride(0), cache.stride(1), cache.stride(2)};
-}
-
-template <typename T>
 void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
          const at::Tensor& table, std::vector<Sequence>& seqs, std::vector<Item>& items,
          at::Tensor& out, const Options& o, int64_t partial_rows) {
@@ -739,7 +685,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
                      const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
                      at::Tensor& out, double scale, int64_t sliding_window, double soft_cap,
                      const std::optional<at::Tensor>& alibi_slopes_in,
-                     const std::optional<at::Tensor>& sinks_in) {
+                     const std::optional<at::Tensor>& sinks_in, bool causal) {
   constexpr const char* op = "paged_attention";
   check_dense_cpu(op, query_in, "query");
   check_dense_cpu(op, out, "out");
@@ -803,8 +749,10 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
               rows_in, "] (query has ", query.size(0), " rows, out ", out.size(0), "), got [",
               num_seqs ? qsl[0] : 0, ", ..., ", num_seqs ? qsl[num_seqs] : 0, "]");
 
-  // Plan: each sequence's visible key range, cut into partitions.
+  // Plan: short causal queries (decode, chunked decode) go to the decode kernel below, each
+  // sequence's visible key range cut into partitions; the others to the prefill kernel.
   std::vector<Sequence> seqs(num_seqs);
+  std::vector<PrefillSeq> prefills;
   int64_t total_keys = 0, max_rows = 1;
   const int64_t max_blocks = table.size(1);
   for (int64_t b = 0; b < num_seqs; ++b) {
@@ -823,11 +771,14 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     const int64_t first_pos = s.seq_len - s.q_len;
     s.lo = o.window > 0 ? std::max<int64_t>(0, first_pos - o.window + 1) : 0;
     if (s.q_len == 0) s.lo = s.seq_len;
+    s.prefill = s.q_len > kDecodeMaxQuery || (!causal && s.q_len > 1);
+    if (s.prefill) prefills.push_back({b, s.first_query, s.q_len, s.seq_len});
     for (int64_t c = s.lo / o.block_size; c * o.block_size < s.seq_len; ++c) {
       const int64_t block = blocks[b * max_blocks + c];
       TORCH_CHECK(block >= 0 && block < o.num_blocks, "attn_di paged_attention: block_table[", b, ", ", c,
                   "] = ", block, " is outside the cache's blocks [0, ", o.num_blocks, ")");
     }
+    if (s.prefill) continue;
     total_keys += (s.seq_len - s.lo) * std::max<int64_t>(1, s.q_len);
     max_rows = std::max(max_rows, s.q_len * o.heads);
   }
@@ -840,7 +791,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     Sequence& s = seqs[b];
     s.first_item = static_cast<int64_t>(items.size());
     const int64_t rows = s.q_len * o.heads;
-    if (rows == 0) {
+    if (rows == 0 || s.prefill) {
       s.num_items = 0;
       continue;
     }
@@ -861,21 +812,20 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     s.partial_offset = partial_rows;
     if (s.num_items > 1) partial_rows += s.num_items * rows;
   }
-  if (items.empty()) return;
-  switch (key_cache.scalar_type()) {
-    case at::kFloat:
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "attn_di paged_attention: unsupported dtype ", dtype,
+              " (float32, bfloat16 and float16 are)");
+  if (!items.empty()) {
+    if (dtype == at::kFloat) {
       run<float>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
-      break;
-    case at::kBFloat16:
+    } else if (dtype == at::kBFloat16) {
       run<c10::BFloat16>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
-      break;
-    case at::kHalf:
+    } else {
       run<c10::Half>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
-      break;
-    default:
-      TORCH_CHECK(false, "attn_di paged_attention: unsupported dtype ", key_cache.scalar_type(),
-                  " (float32, bfloat16 and float16 are)");
+    }
   }
+  run_prefill(query, key_cache, value_cache, blocks, max_blocks, out, o, causal, prefills);
 }
 
 // key_cache rows <- key rows, value_cache rows <- value rows, each token's at its slot
@@ -943,7 +893,7 @@ TORCH_LIBRARY(attn_di, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor(a!) out, float scale, int sliding_window, "
-      "float soft_cap, Tensor? alibi_slopes=None, Tensor? sinks=None) -> ()");
+      "float soft_cap, Tensor? alibi_slopes=None, Tensor? sinks=None, bool causal=True) -> ()");
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
