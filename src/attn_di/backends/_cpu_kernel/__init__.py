@@ -1,8 +1,11 @@
-"""CPU_ATTN's compiled decode kernel: build, load and report (``paged_attention.cpp``).
+"""CPU_ATTN's compiled kernels: build, load and report.
 
-The kernel is C++ against torch's own headers, registered as the operator
-``torch.ops.attn_di.paged_attention`` (``TORCH_LIBRARY``, no pybind11), built with
-``torch.utils.cpp_extension`` just in time into a cache directory and loaded from there on
+The kernels are C++ against torch's own headers (``paged_attention.cpp``: the operator, its
+argument checks and the decode kernel; ``prefill.cpp``: the prefill kernel on ATen's
+batch-reduce GEMMs; ``kernel.h``: what they share), registered as the operators
+``torch.ops.attn_di.paged_attention`` and ``write_kv_cache`` (``TORCH_LIBRARY``, no
+pybind11), built with ``torch.utils.cpp_extension`` just in time into a cache directory and
+loaded from there on
 later runs without the compiler. ``scripts/setup.sh`` builds it ahead
 (``python -m attn_di.backends._cpu_kernel build``).
 

@@ -271,9 +271,11 @@ inline const float* as_float(const T* row, int64_t kv_heads, int64_t size, int64
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kPageBytes = 4096;
 
+inline int64_t& decode_experiment() { static int64_t value = 0; return value; }
 inline void prefetch_span(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
-  for (int64_t off = 0; off < bytes; off += kPageBytes) __builtin_prefetch(p + off, 0, 3);
+  const int64_t step = (decode_experiment() & 2) ? 64 : kPageBytes;
+  for (int64_t off = 0; off < bytes; off += step) __builtin_prefetch(p + off, 0, 3);
 }
 
 // A token row's heads ahead of use: one span where the heads are adjacent, else each head.
@@ -320,9 +322,15 @@ inline void for_head_groups(int64_t G, F&& f) {
 // Tokens per tile: rows whose pointers are resolved together and read register-blocked.
 constexpr int64_t kTile = 16;
 
-// Per-thread scratch, grown as needed and reused across items.
+// Per-thread scratch, kept by each thread of the pool across calls (a decode step's calls are
+// short: allocating per call would cost as much as the work), grown as needed.
 struct Scratch {
-  std::vector<float> queries, scores, acc, key_row, value_row, pattern;
+  std::vector<float> queries, scores, acc, key_row, value_row, pattern, row_max, row_sum;
+
+  static Scratch& of_this_thread() {
+    thread_local Scratch scratch;
+    return scratch;
+  }
 };
 
 // Softmax numerators of a token-major score block (scores[j * rows + r], n keys) in place:
@@ -339,37 +347,39 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* ro
                                float* row_sum, std::vector<float>& pattern) {
   const int64_t total = n * rows;
   const int64_t period = std::lcm(rows, kLanes);
-  const int64_t periods = total / period;
-  const int64_t swept = periods * period;
+  const int64_t used = std::min(period, total);  // lanes of the pattern that hold a score
   pattern.assign(2 * period, kNegInf);
   float* lanes = pattern.data();       // running max, then the shift, per lane of a period
   float* sums = lanes + period;        // running sum per lane of a period
-  for (int64_t c = 0; c < periods; ++c) {
-    const float* block = scores + c * period;
-    for (int64_t k = 0; k < period; k += kLanes)
-      at::vec::maximum(fVec::loadu(lanes + k), fVec::loadu(block + k)).store(lanes + k);
-  }
-  for (int64_t p = 0; p < std::min(period, total); ++p)
-    row_max[p % rows] = std::max(row_max[p % rows], lanes[p]);
-  for (int64_t i = swept; i < total; ++i) row_max[i % rows] = std::max(row_max[i % rows], scores[i]);
-  for (int64_t p = 0; p < period; ++p) {
-    const float peak = row_max[p % rows];
-    lanes[p] = peak == kNegInf ? 0.f : peak;
-    sums[p] = 0.f;
-  }
-  for (int64_t c = 0; c < periods; ++c) {
-    float* block = scores + c * period;
-    for (int64_t k = 0; k < period; k += kLanes) {
-      const fVec e = (fVec::loadu(block + k) - fVec::loadu(lanes + k)).exp_u20();
-      e.store(block + k);
-      (fVec::loadu(sums + k) + e).store(sums + k);
+  // Periods start at multiples of `period`, the last one possibly partial: lane k of every
+  // period belongs to row k % rows.
+  for (int64_t c = 0; c < total; c += period) {
+    const int64_t len = std::min(period, total - c);
+    for (int64_t k = 0; k < len; k += kLanes) {
+      const int64_t count = std::min(kLanes, len - k);
+      const fVec old = fVec::loadu(lanes + k);
+      const fVec peak = at::vec::maximum(old, fVec::loadu(scores + c + k, count));
+      fVec::set(old, peak, count).store(lanes + k);
     }
   }
-  for (int64_t p = 0; p < std::min(period, total); ++p) row_sum[p % rows] += sums[p];
-  for (int64_t i = swept; i < total; ++i) {
-    scores[i] = std::exp(scores[i] - lanes[i % rows]);
-    row_sum[i % rows] += scores[i];
+  for (int64_t p = 0, r = 0; p < used; ++p, r = r + 1 == rows ? 0 : r + 1)
+    row_max[r] = std::max(row_max[r], lanes[p]);
+  for (int64_t p = 0, r = 0; p < period; ++p, r = r + 1 == rows ? 0 : r + 1) {
+    lanes[p] = row_max[r] == kNegInf ? 0.f : row_max[r];
+    sums[p] = 0.f;
   }
+  const fVec zero(0.f);
+  for (int64_t c = 0; c < total; c += period) {
+    float* block = scores + c;
+    const int64_t len = std::min(period, total - c);
+    for (int64_t k = 0; k < len; k += kLanes) {
+      const int64_t count = std::min(kLanes, len - k);
+      const fVec e = (fVec::loadu(block + k, count) - fVec::loadu(lanes + k)).exp_u20();
+      e.store(block + k, count);
+      (fVec::loadu(sums + k) + fVec::set(zero, e, count)).store(sums + k);
+    }
+  }
+  for (int64_t p = 0, r = 0; p < used; ++p, r = r + 1 == rows ? 0 : r + 1) row_sum[r] += sums[p];
 }
 
 template <typename T>
@@ -474,7 +484,10 @@ struct Kernel {
       }
     }
     // Softmax numerators in place (a row without a visible key keeps max -inf and sum 0).
-    std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f);
+    sc.row_max.assign(rows, kNegInf);
+    sc.row_sum.assign(rows, 0.f);
+    std::vector<float>& row_max = sc.row_max;
+    std::vector<float>& row_sum = sc.row_sum;
     softmax_numerators(scores, n, rows, row_max.data(), row_sum.data(), sc.pattern);
     // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only.
     for (int64_t j0 = 0; j0 < n; j0 += kTile) {
@@ -657,7 +670,7 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch;
+    Scratch& scratch = Scratch::of_this_thread();
     for (int64_t at = next.fetch_add(1); at < num_items; at = next.fetch_add(1))
       kernel.run_item(items[order[at]], scratch);
   });
@@ -886,6 +899,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 }  // namespace
 
 std::string isa() { return ATTN_DI_STRINGIFY(ATTN_DI_KERNEL_ISA); }
+void set_decode_experiment(int64_t value) { decode_experiment() = value; }
 
 }  // namespace attn_di_kernel
 
@@ -898,6 +912,8 @@ TORCH_LIBRARY(attn_di, m) {
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   m.def("isa() -> str", &attn_di_kernel::isa);
+  m.def("set_experiment(int value) -> ()", &attn_di_kernel::set_experiment);  // TUNING ONLY
+  m.def("set_decode_experiment(int value) -> ()", &attn_di_kernel::set_decode_experiment);  // TUNING ONLY
 }
 
 TORCH_LIBRARY_IMPL(attn_di, CPU, m) {

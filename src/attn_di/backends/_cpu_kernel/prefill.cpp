@@ -44,16 +44,27 @@ namespace blas = at::native::cpublas;
 // Keys per tile (the N of S = Q K^T, in panels of kPanel when VNNI-packed, and the K of
 // O += P V): float32 tiles of K^T and V stay within L1 at 64 keys; bfloat16 ones at 128.
 template <typename C>
-constexpr int64_t kKeyTile = std::is_same_v<C, float> ? 64 : 128;
+constexpr int64_t kKeyTile = std::is_same_v<C, float> ? 64 : 256;
 // Query rows per GEMM (M): S and P of a block stay in L1/L2.
-constexpr int64_t kRowBlock = 64;
+template <typename C>
+constexpr int64_t kRowBlock = std::is_same_v<C, float> ? 64 : 128;
 // Most query rows per work item (its packed Q and float32 O, ~1 MiB at D = 128): every key
 // tile it packs serves them all, so items are as large as the work split allows.
 constexpr int64_t kMaxItemRows = 2048;
 // Fewest keys in a key range of its own (a split item); below this the merge dominates.
 constexpr int64_t kMinKeysPerPart = 512;
-// Columns per VNNI-packed V panel (oneDNN's packed B takes a leading dimension <= 64).
+// Columns per VNNI-packed panel (oneDNN's packed B takes a leading dimension <= 64).
 constexpr int64_t kPanel = 64;
+// Rows ahead of use whose memory is prefetched: query rows while packing, output rows while
+// writing (each a few hundred bytes, a page apart, which the hardware prefetchers miss).
+constexpr int64_t kRowsAhead = 4;
+
+// Every cache line of [start, start + bytes), for reading (or writing).
+template <bool kWrite = false>
+inline void prefetch_lines(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, kWrite ? 1 : 0, 3);
+}
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -70,7 +81,34 @@ struct Scratch {
   std::vector<C> q, k_rows, k_plain, k_pack, v_plain, v_pack, p;
   std::vector<float> o, m, l, s, line, rmax, rescale, shift;
   std::vector<char> started;  // per row block: its O holds a value
+  int64_t head_size = -1;     // the D the tile buffers are laid out (and zero-padded) for
 };
+
+// exp(x) for the softmax numerators (x <= 0 after the shift; -inf gives 0). On AVX-512:
+// 2^t = 2^n * 2^f, t = x log2(e), n = round(t), |f| <= 1/2, 2^f by its degree-5 Taylor
+// polynomial (relative error < 3e-6 there, as ATen's exp_u20), scaled by 2^n with vscalefps;
+// 12 instructions. Elsewhere ATen's exp_u20.
+inline int64_t& experiment() { static int64_t value = 0; return value; }
+inline fVec softmax_exp(const fVec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (experiment() & 1) return x.exp_u20();
+  const __m512 raw = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  // Below 2^-125 (and -inf) the result is 0: no denormal ever computed (they are slow).
+  const __mmask16 normal = _mm512_cmp_ps_mask(raw, _mm512_set1_ps(-125.f), _CMP_GT_OQ);
+  const __m512 t = _mm512_max_ps(raw, _mm512_set1_ps(-125.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 120.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(normal, p, n);
+#else
+  return x.exp_u20();
+#endif
+}
 
 // The largest of n scores (n a multiple of kLanes).
 inline float tile_max(const float* scores, int64_t n) {
@@ -136,6 +174,9 @@ struct Prefill {
 
   static constexpr bool kPacked = !std::is_same_v<C, float>;
   static constexpr int64_t kKeyTile = attn_di_kernel::kKeyTile<C>;
+  static constexpr int64_t kRowBlock = attn_di_kernel::kRowBlock<C>;
+  // Granularity of the keys multiplied on the diagonal: whole VNNI panels, or 16 keys.
+  static constexpr int64_t kWidthStep = kPacked ? kPanel : 16;
 
   // The row of key position `pos` of sequence `seq` in one plane, at KV head g.
   const T* kv_row(const CacheView<T>& view, int64_t seq, int64_t pos, int64_t g) const {
@@ -155,19 +196,14 @@ struct Prefill {
 
   void run_item(const Item& it, Scratch<C>& sc) const {
     const PrefillSeq& s = (*seqs)[it.seq];
-    const int64_t G = o.group, D = o.head_size;
+    const int64_t G = o.group;
     const int64_t first_pos = s.seq_len - s.q_len;
     const int64_t rows = (it.i1 - it.i0) * G;
     const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
     prepare(sc, rows, blocks);
-    // Packed, scaled query rows [rows, dq] (zero past D).
-    for (int64_t i = it.i0; i < it.i1; ++i)
-      for (int64_t h = 0; h < G; ++h) {
-        const T* src = query + (s.first_query + i) * q_stride0 + (it.g * G + h) * q_stride1;
-        C* dst = sc.q.data() + ((i - it.i0) * G + h) * dq;
-        scale_into<T, C>(src, D, o.scale, dst, sc.line.data());
-        std::fill(dst + D, dst + dq, C(0.f));
-      }
+    // Row blocks at fixed offsets: each packs its queries before its first tile, keeps its
+    // O from then on, and (a whole key range) writes its output rows after its last tile,
+    // so reading Q and writing the output overlap the other blocks' GEMMs.
     for (int64_t k0 = it.k_lo; k0 < it.k_hi; k0 += kKeyTile) {
       const int64_t n = std::min(kKeyTile, it.k_hi - k0);
       // The query tokens [ta, tb) that see some key of the tile.
@@ -179,15 +215,16 @@ struct Prefill {
       }
       if (ta >= tb) continue;
       pack_tile(sc, s.seq, it.g, k0, n);
-      // Row blocks at fixed offsets (each keeps its O from its first tile on).
-      for (int64_t b = (ta - it.i0) * G / kRowBlock; b * kRowBlock < (tb - it.i0) * G; ++b)
-        block(sc, it, first_pos, k0, n, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock), b);
-    }
-    if (it.parts == 1) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* acc = sc.o.data() + r * dv;
-        finish_row(s, it, r, &sc.m[r], &sc.l[r], &acc, 1);
+      for (int64_t b = (ta - it.i0) * G / kRowBlock; b * kRowBlock < (tb - it.i0) * G; ++b) {
+        const int64_t r0 = b * kRowBlock, r1 = std::min(rows, r0 + kRowBlock);
+        if (!sc.started[b]) pack_queries(sc, s, it, r0, r1);
+        block(sc, it, first_pos, k0, n, r0, r1, b);
+        if (it.parts == 1 && last_key(s, it, r1) < k0 + n) finish_block(sc, s, it, r0, r1);
       }
+    }
+    if (it.parts == 1) {  // a block no tile reached (no key visible): zeros, or its sinks' share
+      for (int64_t b = 0; b < blocks; ++b)
+        if (!sc.started[b]) finish_block(sc, s, it, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock));
       return;
     }
     const int64_t base = it.partial + it.part * rows;
@@ -197,6 +234,46 @@ struct Prefill {
     }
     std::copy(sc.m.begin(), sc.m.begin() + rows, partial_m + base);
     std::copy(sc.l.begin(), sc.l.begin() + rows, partial_l + base);
+  }
+
+  // The last key position that rows [.., r1) of the item may see (in its key range).
+  int64_t last_key(const PrefillSeq& s, const Item& it, int64_t r1) const {
+    const int64_t p_hi = s.seq_len - s.q_len + it.i0 + (r1 - 1) / o.group;
+    int64_t last = it.k_hi - 1;
+    if (causal) last = std::min(last, p_hi);
+    else if (o.window > 0) last = std::min(last, p_hi + o.window - 1);
+    return last;
+  }
+
+  // Packed, scaled query rows [r0, r1) of the item ([rows, dq], zero past D).
+  void pack_queries(Scratch<C>& sc, const PrefillSeq& s, const Item& it, int64_t r0, int64_t r1) const {
+    const int64_t G = o.group, D = o.head_size;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = it.i0 + r / G, h = it.g * G + r % G;
+      if (r % G == 0 && r + kRowsAhead * G < r1)  // the G heads of a later token, one span
+        prefetch_lines(query + (s.first_query + i + kRowsAhead) * q_stride0 + it.g * G * q_stride1,
+                       ((G - 1) * q_stride1 + D) * static_cast<int64_t>(sizeof(T)));
+      C* dst = sc.q.data() + r * dq;
+      scale_into<T, C>(query + (s.first_query + i) * q_stride0 + h * q_stride1, D, o.scale, dst,
+                       sc.line.data());
+      std::fill(dst + D, dst + dq, C(0.f));
+    }
+  }
+
+  // Output rows [r0, r1) of a whole-range item from its running state.
+  void finish_block(Scratch<C>& sc, const PrefillSeq& s, const Item& it, int64_t r0, int64_t r1) const {
+    const int64_t G = o.group;
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r % G == 0 && r + kRowsAhead * G < r1) prefetch_out(s, it, r / G + kRowsAhead);
+      const float* acc = sc.o.data() + r * dv;
+      finish_row(s, it, r, &sc.m[r], &sc.l[r], &acc, 1);
+    }
+  }
+
+  // The output rows of the item's query token i0 + i (its G heads), ahead of their writes.
+  void prefetch_out(const PrefillSeq& s, const Item& it, int64_t i) const {
+    prefetch_lines<true>(out + (s.first_query + it.i0 + i) * out_stride0 + it.g * o.group * out_stride1,
+                         ((o.group - 1) * out_stride1 + o.head_size) * static_cast<int64_t>(sizeof(T)));
   }
 
   // Size the buffers for an item of `rows` query rows. The tile buffers' padding (past D,
@@ -213,7 +290,8 @@ struct Prefill {
     sc.rmax.resize(kRowBlock);
     sc.rescale.resize(kRowBlock);
     sc.shift.resize(kRowBlock);
-    if (sc.k_plain.size() != static_cast<size_t>(dq * kKeyTile)) {  // once per call and thread
+    if (sc.head_size != D) {  // the padding past D is zero for this head size (kept across calls)
+      sc.head_size = D;
       sc.k_rows.assign(kKeyTile * D, C(0.f));
       sc.k_plain.assign(dq * kKeyTile, C(0.f));
       sc.v_plain.assign(kKeyTile * dv, C(0.f));
@@ -272,14 +350,15 @@ struct Prefill {
     }
   }
 
-  // Whether every row of [r0, r1) sees every key of [k0, k0 + n): no score to mask.
-  bool unmasked(int64_t first_pos, const Item& it, int64_t k0, int64_t n, int64_t r0, int64_t r1) const {
-    if (n < kKeyTile) return false;
+  // Whether every row of [r0, r1) sees every key of [k0, k0 + width): no score to mask.
+  bool unmasked(int64_t first_pos, const Item& it, int64_t k0, int64_t n, int64_t width, int64_t r0,
+                int64_t r1) const {
+    if (n < width) return false;
     const int64_t p_lo = first_pos + it.i0 + r0 / o.group, p_hi = first_pos + it.i0 + (r1 - 1) / o.group;
-    if (causal && k0 + n - 1 > p_lo) return false;
+    if (causal && k0 + width - 1 > p_lo) return false;
     if (o.window > 0) {
       if (k0 <= p_hi - o.window) return false;
-      if (!causal && k0 + n - 1 >= p_lo + o.window) return false;
+      if (!causal && k0 + width - 1 >= p_lo + o.window) return false;
     }
     return true;
   }
@@ -289,22 +368,26 @@ struct Prefill {
   void block(Scratch<C>& sc, const Item& it, int64_t first_pos, int64_t k0, int64_t n, int64_t r0,
              int64_t r1, int64_t b) const {
     const int64_t G = o.group, M = r1 - r0;
+    // The keys any row of the block may see, in whole panels: past the causal diagonal of the
+    // block's last row, the tile is neither multiplied nor weighed.
+    int64_t width = std::min(n, causal ? first_pos + it.i0 + (r1 - 1) / G - k0 + 1 : n);
+    width = std::min(kKeyTile, round_up(width, kWidthStep));
     float* S = sc.s.data();
     if constexpr (kPacked) {
-      for (int64_t c = 0; c < kKeyTile; c += kPanel)
+      for (int64_t c = 0; c < width; c += kPanel)
         blas::brgemm(M, kPanel, dq, dq, kPanel, kKeyTile, false, sc.q.data() + r0 * dq,
                      sc.k_pack.data() + c * dq, S + c, true);
     } else {
-      blas::brgemm(M, kKeyTile, dq, dq, kKeyTile, kKeyTile, false, sc.q.data() + r0 * dq,
+      blas::brgemm(M, width, dq, dq, kKeyTile, kKeyTile, false, sc.q.data() + r0 * dq,
                    sc.k_plain.data(), S, false);
     }
     // Pass 1: score modifiers, mask, each row's largest score.
-    const bool plain = unmasked(first_pos, it, k0, n, r0, r1);
+    const bool plain = unmasked(first_pos, it, k0, n, width, r0, r1);
     for (int64_t r = r0; r < r1; ++r) {
       float* sr = S + (r - r0) * kKeyTile;
       if (o.soft_cap > 0.f) {
         const fVec cap(o.soft_cap), inv(1.f / o.soft_cap);
-        for (int64_t j = 0; j < kKeyTile; j += kLanes) (cap * (fVec::loadu(sr + j) * inv).tanh()).store(sr + j);
+        for (int64_t j = 0; j < width; j += kLanes) (cap * (fVec::loadu(sr + j) * inv).tanh()).store(sr + j);
       }
       if (!plain || o.alibi != nullptr) {
         const int64_t pos = first_pos + it.i0 + r / G;
@@ -314,16 +397,16 @@ struct Prefill {
           j_lo = std::max<int64_t>(j_lo, pos - o.window + 1 - k0);
           if (!causal) j_hi = std::min(j_hi, pos + o.window - k0);
         }
-        j_lo = std::clamp<int64_t>(j_lo, 0, kKeyTile);
-        j_hi = std::clamp<int64_t>(j_hi, j_lo, kKeyTile);
+        j_lo = std::clamp<int64_t>(j_lo, 0, width);
+        j_hi = std::clamp<int64_t>(j_hi, j_lo, width);
         if (o.alibi != nullptr) {
           const float slope = o.alibi[it.g * G + r % G];
           for (int64_t j = j_lo; j < j_hi; ++j) sr[j] += slope * static_cast<float>(k0 + j - pos);
         }
         std::fill(sr, sr + j_lo, kNegInf);
-        std::fill(sr + j_hi, sr + kKeyTile, kNegInf);
+        std::fill(sr + j_hi, sr + width, kNegInf);
       }
-      sc.rmax[r - r0] = tile_max(sr, kKeyTile);
+      sc.rmax[r - r0] = tile_max(sr, width);
     }
     // Pass 2, across rows: the new running maxima, the rescale of what each row holds, the
     // shift of its exponentials (0 for a row that has seen nothing, whose scores are -inf).
@@ -342,9 +425,8 @@ struct Prefill {
       float* sr = S + (r - r0) * kKeyTile;
       const fVec shift(sc.shift[r - r0]);
       fVec total(0.f);
-      for (int64_t j = 0; j < kKeyTile; j += kLanes) {
-        fVec e = fVec::loadu(sr + j) - shift;
-        e = kPacked ? e.fexp_u20() : e.exp_u20();
+      for (int64_t j = 0; j < width; j += kLanes) {
+        const fVec e = softmax_exp(fVec::loadu(sr + j) - shift);
         e.store(sr + j);
         total = total + e;
       }
@@ -358,17 +440,17 @@ struct Prefill {
           (fVec::loadu(acc + d, count) * f).store(acc + d, count);
         }
       }
-      if constexpr (kPacked) store_as<C>(sr, kKeyTile, sc.p.data() + (r - r0) * kKeyTile);
+      if constexpr (kPacked) store_as<C>(sr, width, sc.p.data() + (r - r0) * kKeyTile);
     }
     float* O = sc.o.data() + r0 * dv;
     if constexpr (kPacked) {
       for (int64_t c = 0; c < dv; c += kPanel) {
-        const int64_t width = std::min(kPanel, dv - c);
-        blas::brgemm(M, width, kKeyTile, kKeyTile, width, dv, started, sc.p.data(),
+        const int64_t panel = std::min(kPanel, dv - c);
+        blas::brgemm(M, panel, width, kKeyTile, panel, dv, started, sc.p.data(),
                      sc.v_pack.data() + c * kKeyTile, O + c, true);
       }
     } else {  // P is S itself, exponentiated in place
-      blas::brgemm(M, dv, kKeyTile, kKeyTile, dv, dv, started, S, sc.v_plain.data(), O, false);
+      blas::brgemm(M, dv, width, kKeyTile, dv, dv, started, S, sc.v_plain.data(), O, false);
     }
     sc.started[b] = 1;
   }
@@ -454,7 +536,7 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
     const PrefillSeq& s = seqs[b];
     const int64_t first_pos = s.seq_len - s.q_len;
     int64_t chunk = (s.q_len + chunks_per_pair - 1) / chunks_per_pair;
-    chunk = std::clamp<int64_t>(chunk, (kRowBlock + G - 1) / G, std::max<int64_t>(1, kMaxItemRows / G));
+    chunk = std::clamp<int64_t>(chunk, (kRowBlock<C> + G - 1) / G, std::max<int64_t>(1, kMaxItemRows / G));
     for (int64_t g = 0; g < o.kv_heads; ++g)
       for (int64_t i0 = 0; i0 < s.q_len; i0 += chunk) {
         const int64_t i1 = std::min(s.q_len, i0 + chunk);
@@ -503,7 +585,7 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   const int64_t workers = std::max<int64_t>(1, std::min(threads, num_items));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch<C> scratch;
+    thread_local Scratch<C> scratch;  // kept by each thread of the pool across calls
     for (int64_t at = next.fetch_add(1); at < num_items; at = next.fetch_add(1))
       kernel.run_item(items[order[at]], scratch);
     if constexpr (packed) blas::brgemm_release(true);
@@ -530,6 +612,8 @@ void dispatch(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
 }
 
 }  // namespace
+
+void set_experiment(int64_t value) { experiment() = value; }
 
 void run_prefill(const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const int64_t* table, int64_t table_stride,
