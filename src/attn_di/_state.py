@@ -8,6 +8,7 @@ run one way: names -> providers -> container -> selection -> default container -
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Callable
@@ -20,6 +21,7 @@ __all__ = [
     "LOCAL_LAYERS",
     "REGISTRY_LOCK",
     "DefaultCell",
+    "notify_quietly",
     "notify_registrations_changed",
     "on_registrations_changed",
     "user_stacklevel",
@@ -67,6 +69,14 @@ def notify_registrations_changed(container: Any) -> None:
     """Tell the listeners of :func:`on_registrations_changed` (called outside the lock)."""
     for listener in list(_listeners):
         listener(container)
+
+
+def notify_quietly(container: Any) -> None:
+    """:func:`notify_registrations_changed` after a rollback. Listeners write before they
+    warn, so an error a warning filter raises there (for the state being returned to, which
+    was warned about before) is dropped: the rollback's own error is the one to report."""
+    with contextlib.suppress(Exception):
+        notify_registrations_changed(container)
 
 
 def user_stacklevel() -> int:
