@@ -16,6 +16,7 @@ cache slot, so a left-padded row's positions start at 0 on its first real token.
 from __future__ import annotations
 
 import math
+import re
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,14 @@ from attn_di.exceptions import (
 if TYPE_CHECKING:
     from attn_di.backend import AttentionMetadata
 
-__all__ = ["MAX_BLOCK_SIZE", "PENDING", "PagedCache", "StepBatch", "is_attn_di_name"]
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "PENDING",
+    "PagedCache",
+    "StepBatch",
+    "is_attn_di_name",
+    "transformers_name",
+]
 
 MAX_BLOCK_SIZE = 65536
 """The largest ``block_size`` a :class:`PagedCache` accepts (tokens per block)."""
@@ -49,6 +57,20 @@ function of that layer takes it."""
 def is_attn_di_name(name: object) -> bool:
     """Whether ``name`` is one of attn_di's transformers attention names (``attn_di[:MEMBER]``)."""
     return isinstance(name, str) and (name == "attn_di" or name.startswith("attn_di:"))
+
+
+_TRANSFORMERS_WORDS = re.compile(r"flash|sdpa|flex_attention")
+
+
+def transformers_name(member_name: str) -> str:
+    """The transformers name of the member named ``member_name`` (exactly): ``"attn_di:"``
+    and the name, so members that differ only by case (``MY_X``, ``my_x``) get names of their
+    own. transformers reads a lowercase ``flash``, ``sdpa`` or ``flex_attention`` anywhere in
+    an implementation name as a request for its own implementation of that kind, so a ``.``
+    follows the first letter of each (``my_flash`` -> ``"attn_di:my_f.lash"``); a member name
+    holds no ``.``, so the names stay one per member."""
+    escaped = _TRANSFORMERS_WORDS.sub(lambda word: f"{word[0][0]}.{word[0][1:]}", member_name)
+    return f"attn_di:{escaped}"
 
 
 @dataclass
