@@ -117,6 +117,14 @@ def good():
 def injected(backend=Provide[attn_di.BackendContainer.CPU_ATTN]):
     return backend
 
+def unexportable():
+    attn_di.register_backend("{new}", "collections.OrderedDict")
+
+    class Local:
+        pass
+
+    attn_di.register_backend(E.FLASH_ATTN, Local)  # warns: no importable path
+
 def di_overrides():
     from dependency_injector import providers
     container = attn_di.get_container()
@@ -217,6 +225,31 @@ def test_a_failed_plugins_dependency_injector_overrides_are_undone(
     assert selection.backend is E.CPU_ATTN
     module = sys.modules[next(m for m in sys.modules if m.startswith("fault_plugins_"))]
     assert not isinstance(module.injected(), type)  # unwired: the marker, not a class
+
+
+def test_a_plugin_failing_on_a_warning_raised_as_an_error_is_rolled_back_whole(
+    plugins: Callable[[list[str]], str], container: BackendContainer
+) -> None:
+    """With automatic propagation on and warnings as errors, a plugin whose registration
+    raises UnexportableBackendWarning fails and is rolled back whole (its new member too);
+    ATTN_DI_REGISTRATIONS is as before."""
+    import warnings
+
+    previous = attn_di.set_auto_propagation(True)
+    try:
+        attn_di.register_backend(E.CUSTOM, "collections.deque")
+        before = os.environ["ATTN_DI_REGISTRATIONS"]
+        member_name = plugins(["unexportable"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            (failed,) = load_plugins().failed
+        assert failed.error is not None
+        assert failed.error.startswith("UnexportableBackendWarning")
+        assert member_name not in E.__members__
+        assert container.source(E.FLASH_ATTN) == "default"
+        assert os.environ["ATTN_DI_REGISTRATIONS"] == before
+    finally:
+        attn_di.set_auto_propagation(previous)
 
 
 def test_a_backend_module_raising_system_exit_is_an_import_failure(

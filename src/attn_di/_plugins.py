@@ -33,7 +33,7 @@ from attn_di._default import get_container
 from attn_di._family import BackendEnum, families, family_of
 from attn_di._propagation import PLUGINS_ENV
 from attn_di._provider import BackendProvider, Layer, Target
-from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK, notify_registrations_changed
+from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK, notify_quietly
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -244,8 +244,7 @@ def _load(entry_point: EntryPoint, container: BackendContainer) -> PluginRecord:
             raise TypeError(f"{entry_point.value} is not callable: {plugin!r}")
         plugin()
     except BaseException as error:  # SystemExit and friends too: a plugin never ends the host
-        _roll_back(container, before, members_before, layers_before, local_before)
-        di_before.restore()
+        _roll_back(container, before, members_before, layers_before, local_before, di_before)
         logger.error(
             "attn_di plugin %r from %s failed; its registrations, members and overrides "
             "were rolled back",
@@ -353,11 +352,12 @@ def _roll_back(
     members_before: set[BackendEnum],
     layers_before: dict[BackendProvider, list[tuple[Layer, Target]]],
     local_before: tuple[Layer, ...],
+    di_before: _DIState,
 ) -> None:
     for family in families():
         for member in family.runtime_members():
             if member not in members_before:
-                family.remove_member(member)
+                family.remove_member(member, notify=False)
     with REGISTRY_LOCK:
         for provider in container.all_providers():
             previous = before.get(_qualified(provider.member))
@@ -372,4 +372,7 @@ def _roll_back(
             if layer not in local_before:
                 layer.alive = False
     LOCAL_LAYERS.set(local_before)
-    notify_registrations_changed(container)  # the environment snapshot too
+    di_before.restore()
+    # The environment snapshot too, once everything is back (a warning raised as an error
+    # there must not stop the rollback half-way).
+    notify_quietly(None)
