@@ -1,21 +1,81 @@
-"""attn_di's pytest plugin: the ``attn_di_container`` and ``override_backend`` fixtures and
-the ``@pytest.mark.attention_backend`` marker.
+"""attn_di's pytest plugin, loaded by pytest through the ``pytest11`` entry point ``attn_di``
+(the top-level module ``_attn_di_pytest``, which imports this one: if ``import attn_di``
+refuses an inherited ``ATTN_DI_REGISTRATIONS``, it stands in for this plugin, so only the tests
+that use attn_di's fixtures or marker fail, with attn_di's message, not every test suite).
 
-pytest loads it in every session through the ``pytest11`` entry point ``attn_di``, which
-names the top-level module ``_attn_di_pytest``: loading it there imports nothing of attn_di,
-so a malformed ``ATTN_DI_REGISTRATIONS`` inherited from the environment fails only the tests
-that use attn_di's fixtures or marker, never a suite that does not use attn_di. This module
-re-exports it (for ``-p attn_di.pytest_plugin`` and ``pytest_plugins = [...]``); see
-:mod:`_attn_di_pytest` for the fixtures and the marker.
+Fixtures:
+
+- ``attn_di_container``: a fresh default container for the test (also a clean ``ATTN_DI_*``
+  environment and plugin state, and automatic propagation off: call
+  ``attn_di.set_auto_propagation(True)`` in a test that starts workers relying on it);
+  runtime members the test adds (in either enum) are removed after it; the test fails (an
+  error at teardown) if it leaves an override layer active.
+- ``override_backend`` (:class:`attn_di.OverrideBackendFixture`): overrides restored when
+  the test ends; uses ``attn_di_container``.
+
+Marker: ``@pytest.mark.attention_backend(member, impl, local=False)`` (or a mapping
+``{member: impl}``; members of either enum) overrides for one test, class or module; the
+marker closest to the test wins.
+
+Nothing is autouse except the marker hook, which only looks for the marker. Importing this
+module imports attn_di (light: no torch, no entry-point scan).
 """
 
-from _attn_di_pytest import (
-    MARKER,
-    _attn_di_markers,
-    attn_di_container,
-    override_backend,
-    pytest_configure,
-)
+from __future__ import annotations
 
-__all__ = ["MARKER", "attn_di_container", "override_backend", "pytest_configure"]
-_ = _attn_di_markers  # re-exported: pytest finds the autouse marker hook here too
+from collections.abc import Iterator
+
+import pytest
+
+from attn_di._container import BackendContainer
+from attn_di._testing import OverrideBackendFixture, isolated_backends
+from attn_di.exceptions import AttnDIError
+
+__all__ = ["attn_di_container", "override_backend", "pytest_configure"]
+
+MARKER = "attention_backend"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``attention_backend`` marker (so ``--strict-markers`` accepts it)."""
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(member, impl, *, local=False): override an attention backend for the test "
+        "(impl: a class, a dotted path or a callable; or pass one mapping {member: impl}); "
+        "see attn_di's README",
+    )
+
+
+@pytest.fixture
+def attn_di_container() -> Iterator[BackendContainer]:
+    """A fresh default attn_di container; fails the test if it leaks an override layer."""
+    with isolated_backends() as isolation:
+        yield isolation.container
+    if isolation.leaks:
+        pytest.fail(isolation.leak_report(), pytrace=False)
+
+
+@pytest.fixture
+def override_backend(attn_di_container: BackendContainer) -> Iterator[OverrideBackendFixture]:
+    """Override attention backends for this test: ``override_backend(member, impl)``."""
+    overrides = OverrideBackendFixture(attn_di_container)
+    yield overrides
+    overrides.stopall()
+
+
+@pytest.fixture(autouse=True)
+def _attn_di_markers(request: pytest.FixtureRequest) -> None:
+    """Apply ``@pytest.mark.attention_backend`` markers, farthest first (the closest wins)."""
+    markers = list(request.node.iter_markers(MARKER))
+    if not markers:
+        return
+    overrides: OverrideBackendFixture = request.getfixturevalue("override_backend")
+    for marker in reversed(markers):
+        try:
+            overrides(*marker.args, **marker.kwargs)
+        except (AttnDIError, TypeError) as error:
+            arguments = ", ".join(
+                [repr(arg) for arg in marker.args]
+                + [f"{key}={value!r}" for key, value in marker.kwargs.items()]
+            )
+            pytest.fail(f"@pytest.mark.{MARKER}({arguments}): {error}", pytrace=False)
