@@ -80,6 +80,46 @@ def test_members_created_while_others_read(container: BackendContainer) -> None:
     assert sum(name.startswith(prefix) for name in E.__members__) == 300
 
 
+def test_reading_the_tables_survives_a_change_during_the_copy(
+    container: BackendContainer, new_name: Callable[[], str]
+) -> None:
+    """Copying a member table is one C call, but a garbage collection inside it runs Python
+    code, and so can let another thread add a member mid-copy. Here every collection (one
+    per allocation) adds a member itself, a few times: listing, iterating, exporting and
+    parsing still return a whole snapshot."""
+    import gc
+
+    added: list[str] = []
+    armed = False
+
+    def add_a_member(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and armed and len(added) < 5:
+            added.append(new_name())
+            register_backend(added[-1], "collections.OrderedDict")
+
+    readers = {
+        "names": attn_di._enum.ATTENTION.names,
+        "iteration": lambda: list(E),
+        "export": container.export_registrations,
+        "parse": lambda: parse_backend_name("cpu-attn"),
+    }
+    threshold = gc.get_threshold()
+    gc.callbacks.append(add_a_member)
+    try:
+        for read in readers.values():
+            added.clear()
+            armed = True
+            gc.set_threshold(1)
+            try:
+                assert read()
+            finally:
+                armed = False
+                gc.set_threshold(*threshold)
+            assert added  # the table did change during the read
+    finally:
+        gc.callbacks.remove(add_a_member)
+
+
 # -- plugins that raise BaseException -----------------------------------------------------
 PLUGIN_SOURCE = """
 import collections

@@ -29,6 +29,7 @@ from attn_di._state import (
     REGISTRY_LOCK,
     notify_quietly,
     notify_registrations_changed,
+    snapshot,
     user_stacklevel,
 )
 from attn_di.exceptions import (
@@ -469,7 +470,7 @@ class _ContainerAPI:
 
     def _own_providers(self) -> list[BackendProvider]:
         """This container's providers, one per live member of its enum, in enum order."""
-        by_key = dict(self._by_key)
+        by_key = snapshot(lambda: dict(self._by_key))
         found = [by_key.get(member) for member in self.family.members()]
         return [p for p in found if p is not None]
 
@@ -664,7 +665,7 @@ del _family, _cls
 def _add_runtime_provider(member: Any) -> None:
     family = family_of(member)
     setattr(_DECLARATIVE[family], member.name, BackendProvider(member))
-    for container in list(_live_containers):
+    for container in snapshot(lambda: list(_live_containers)):
         if container.family is family:
             setattr(container, member.name, BackendProvider(member))
 
@@ -675,7 +676,7 @@ def _remove_runtime_provider(member: Any) -> None:
     provider = vars(declarative).get(member.name)
     if isinstance(provider, BackendProvider) and provider.member is member:
         delattr(declarative, member.name)
-    for container in list(_live_containers):
+    for container in snapshot(lambda: list(_live_containers)):
         if container.family is not family:
             continue
         removed = container._by_key.pop(member, None)

@@ -7,10 +7,12 @@ vLLM keeps two enums with one API: ``AttentionBackendEnum`` and ``MambaAttention
 and a container class (:mod:`attn_di._container`). Families never see each other's names.
 
 Member tables are changed under :data:`attn_di._state.REGISTRY_LOCK`; readers take
-snapshots (``tuple(dict)``, atomic under the GIL), so iterating, exporting or parsing while
-another thread adds members never fails. vLLM's tests remove runtime members by hand
-(popping ``_member_map_``, ``_member_names_`` and the class attribute): everything here reads
-the enum's own tables, so such removals and a later re-registration of the name work.
+snapshots (``tuple(dict)``, one C call, retried in the rare case a garbage collection during it
+let another thread change the table: :func:`attn_di._state.snapshot`), so iterating,
+exporting or parsing while another thread adds members never fails. vLLM's tests remove
+runtime members by hand (popping ``_member_map_``, ``_member_names_`` and the class
+attribute): everything here reads the enum's own tables, so such removals and a later
+re-registration of the name work.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from attn_di._state import (
     REGISTRY_LOCK,
     notify_quietly,
     notify_registrations_changed,
+    snapshot,
     user_stacklevel,
 )
 from attn_di.exceptions import (
@@ -68,7 +71,7 @@ class BackendEnumMeta(EnumMeta):
             raise family_of(cls).unknown(name) from None
 
     def __iter__(cls) -> Iterator[Any]:
-        return iter(tuple(cls._member_map_.values()))
+        return iter(snapshot(lambda: tuple(cls._member_map_.values())))
 
 
 class BackendEnum(Enum, metaclass=BackendEnumMeta):
@@ -189,11 +192,11 @@ class BackendFamily:
     # -- reading (snapshots: safe while other threads add members) ----------------------
     def names(self) -> tuple[str, ...]:
         """Every member name, in enum order."""
-        return tuple(self.enum._member_map_)
+        return snapshot(lambda: tuple(self.enum._member_map_))
 
     def members(self) -> tuple[Any, ...]:
         """Every member, in enum order."""
-        return tuple(self.enum._member_map_.values())
+        return snapshot(lambda: tuple(self.enum._member_map_.values()))
 
     def runtime_members(self) -> list[Any]:
         """The members added at runtime, oldest first."""
@@ -235,7 +238,8 @@ class BackendFamily:
         if member is not None:
             return member
         folded = text.upper()
-        matches = [m for key, m in tuple(members.items()) if key.upper() == folded]
+        items = snapshot(lambda: tuple(members.items()))
+        matches = [m for key, m in items if key.upper() == folded]
         if len(matches) > 1:
             error = self.unknown(name)
             error.suggestion = None
