@@ -461,3 +461,35 @@ def test_a_cache_in_a_step_in_another_thread_is_refused() -> None:
         handle.remove()
     assert len(results) == 1
     assert cache.seq_lens == [3, 6]
+
+
+def test_threads_stepping_their_own_caches_on_one_model_match_eager() -> None:
+    """Four threads run one model, each on its own PagedCache, at the same time: each
+    thread's steps are committed by the model's own forward, and every logit is eager's."""
+    model = tiny_llama("attn_di:CPU_ATTN")
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    reference = transformers.DynamicCache()
+    expected = [_logits(eager, reference, index) for index in range(len(TOKENS) + 1)]
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            cache = PagedCache(model.config, block_size=2)
+            barrier.wait()
+            for _ in range(3):
+                for index, logits in enumerate(expected):
+                    torch.testing.assert_close(
+                        _logits(model, cache, index), logits, atol=1e-4, rtol=1e-4
+                    )
+                cache.reset()
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert errors == []

@@ -34,10 +34,11 @@ from attn_di.exceptions import (
     UnsupportedFeatureError,
 )
 from attn_di.integrations.transformers._scope import (
-    OPEN,
     ModelCall,
+    close_step,
     hold_hook_path,
     model_call,
+    open_step,
     running,
     watch,
 )
@@ -322,7 +323,7 @@ class PagedCache(Cache):
                 self._release_hook_path()
                 if call.hooked:  # its return will be seen: commit then
                     self._open = call
-                    OPEN.add(self)
+                    open_step(self)
         self.step_memo = {}
         self._updated.clear()
         self._step += 1
@@ -383,7 +384,7 @@ class PagedCache(Cache):
         """Keep the current step: the forward of the model that began it has returned
         (called by that model's forward hook)."""
         self._open = None
-        OPEN.discard(self)
+        close_step(self)
         self._updated.clear()
         self._forget_pending()
 
@@ -423,7 +424,7 @@ class PagedCache(Cache):
     def reset(self) -> None:
         """Free every sequence's blocks (the tensors are kept, as a server keeps its pool)."""
         self._open = None
-        OPEN.discard(self)
+        close_step(self)
         self._forget_pending()
         self._free = list(range(self._capacity - 1, -1, -1))
         self._tables = []
@@ -536,7 +537,7 @@ class PagedCache(Cache):
 
     def _roll_back(self) -> None:
         self._open = None
-        OPEN.discard(self)
+        close_step(self)
         self._forget_pending()
         columns, seq_lens, counts = self._before
         if len(counts) != len(self._tables):  # the step started the sequences

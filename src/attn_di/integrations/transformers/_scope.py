@@ -33,11 +33,33 @@ from transformers import PreTrainedModel
 if TYPE_CHECKING:
     from attn_di.integrations.transformers._paged_cache import PagedCache
 
-__all__ = ["OPEN", "ModelCall", "hold_hook_path", "model_call", "running", "watch"]
+__all__ = [
+    "ModelCall",
+    "close_step",
+    "hold_hook_path",
+    "model_call",
+    "open_step",
+    "running",
+    "watch",
+]
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
-OPEN: weakref.WeakSet[PagedCache] = weakref.WeakSet()
-"""The caches with a step begun and not yet committed or rolled back."""
+# The caches with a step begun and not yet committed or rolled back (threads stepping their
+# own caches on one model change it at once: under the lock).
+_OPEN: weakref.WeakSet[PagedCache] = weakref.WeakSet()
+_OPEN_LOCK = threading.Lock()
+
+
+def open_step(cache: PagedCache) -> None:
+    """Note that ``cache`` has a step open (its model's forward hook will look)."""
+    with _OPEN_LOCK:
+        _OPEN.add(cache)
+
+
+def close_step(cache: PagedCache) -> None:
+    """Note that ``cache``'s step is committed or rolled back."""
+    with _OPEN_LOCK:
+        _OPEN.discard(cache)
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,7 +153,9 @@ def _committed(module: torch.nn.Module, args: Any, output: Any) -> None:
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code is not _CALL_IMPL:
         frame = frame.f_back
-    for cache in list(OPEN):
+    with _OPEN_LOCK:
+        caches = list(_OPEN)
+    for cache in caches:
         call = cache.open_call
         if call is not None and call.model is module and call.frame is frame:
             cache.commit_step()
