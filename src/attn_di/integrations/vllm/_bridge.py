@@ -61,9 +61,8 @@ class Side:
         self.mirrored: set[str] = set()
 
     def container(self) -> Any:
-        """attn_di's current container for this family (the default, or its ``mamba``)."""
-        container = attn_di.get_container()
-        return container.mamba if self.mamba else container
+        """attn_di's current container (its methods route Mamba members to ``mamba``)."""
+        return attn_di.get_container()
 
     def counterpart(self, vllm_member: Enum) -> Any:
         """attn_di's member of the same name, or None (never created here)."""
@@ -98,7 +97,13 @@ class _Registrations(MutableMapping[Any, str]):
         return str(path)
 
     def __setitem__(self, member: Any, class_path: str) -> None:
-        self._side.container().register(member, class_path)
+        side = self._side
+        if isinstance(member, side.vllm_enum) and side.counterpart(member) is None:
+            if not member.value:  # vLLM's register_backend("NAME") decorator made it valueless
+                attn_di.register_backend(member.name, class_path, side.mamba)
+                side.mirrored.add(member.name)
+                return
+        side.container().register(member, class_path)
 
     def __delitem__(self, member: Any) -> None:
         if self.get(member) is None:  # nothing registered: KeyError, as a dict would
@@ -208,8 +213,8 @@ def install() -> None:
             return
         state = _Installation()
         for side in state.sides:
-            _migrate(state, side)
             attn_di.register_enum_alias(side.vllm_enum, side.attn_di_enum)
+            _migrate(state, side)
             _patch_enum(side)
             setattr(registry, side.overrides_attr, _Registrations(side))
         registry.register_backend = register_backend
