@@ -69,6 +69,29 @@ class Batch:
 DIRTY_FILLS = ("nan", "inf")
 """The fills of :func:`dirty_kv_cache` that poison a cache (``"zero"`` is the clean one)."""
 
+KV_LAYOUTS: dict[str, tuple[int, ...] | None] = {
+    "declared": None,
+    "blocks-outermost": (1, 0, 2, 3, 4),
+    "head-major": (0, 1, 3, 2, 4),
+    "blocks-outermost-head-major": (1, 0, 3, 2, 4),
+    "vllm-LBNHC": (1, 2, 3, 0, 4),
+    "vllm-LBHNC": (1, 3, 2, 0, 4),
+}
+"""Physical layouts of a ``[2, num_blocks, block_size, H_kv, D]`` cache, as a stride order
+(vLLM's ``get_kv_cache_stride_order``: the order of the logical axes in memory, outermost
+first). ``"declared"``: the backend's own (``get_kv_cache_stride_order``);
+``"blocks-outermost"``: the buffer vLLM hands a layer (block b's keys and values in one page);
+the head-major ones keep each KV head's block contiguous, as vLLM's CPU backend does. The
+``vllm-*`` ones are what vLLM 0.32 hands each layer (``[num_blocks, H_kv, block_size, 2 * D]``
+in its layout ``LBNHC`` or ``LBHNC``, ``v1/kv_cache_layout.py``): key and value interleaved
+in one row, so the K/V axis has the smallest stride but the last."""
+
+
+def slot_index(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block, offset)`` index of cache slots in a plane ``kv_cache[i]``, any layout."""
+    block_size = int(kv_cache.shape[2])
+    return slots // block_size, slots % block_size
+
 
 def dirty_kv_cache(
     backend_cls: type[AttentionBackend],
@@ -78,6 +101,7 @@ def dirty_kv_cache(
     head_size: int,
     dtype: torch.dtype,
     fill: str = "nan",
+    layout: str = "declared",
 ) -> torch.Tensor:
     """A KV cache as a server hands it over: every slot holds garbage until written.
 
@@ -93,22 +117,32 @@ def dirty_kv_cache(
             last axis, so a key scores NaN or +-Inf against any query, and a value turns any
             weighted sum it enters into Inf or NaN); ``"zero"`` (a clean cache, to compare
             against).
+        layout: a key of :data:`KV_LAYOUTS`: the memory order of the cache's axes.
 
     Returns:
-        The cache, of shape ``backend_cls.get_kv_cache_shape(...)`` and dtype ``dtype``.
+        The cache, of shape ``backend_cls.get_kv_cache_shape(...)`` and dtype ``dtype``, in
+        ``layout`` (a permuted view of one buffer).
 
     Raises:
-        ValueError: an unknown ``fill``.
+        ValueError: an unknown ``fill`` or ``layout``.
     """
-    shape = backend_cls.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    shape = tuple(backend_cls.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size))
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"layout must be one of {tuple(KV_LAYOUTS)}, got {layout!r}")
+    declared = getattr(backend_cls, "get_kv_cache_stride_order", None)  # optional (vLLM's too)
+    order = KV_LAYOUTS[layout] or (tuple(declared()) if declared else tuple(range(len(shape))))
+    physical = tuple(shape[axis] for axis in order)
     if fill == "nan":
-        return torch.full(shape, math.nan, dtype=dtype)
-    if fill == "inf":
+        buffer = torch.full(physical, math.nan, dtype=dtype)
+    elif fill == "inf":
         signs = torch.tensor([math.inf, -math.inf], dtype=dtype).repeat((shape[-1] + 1) // 2)
-        return signs[: shape[-1]].expand(shape).contiguous()
-    if fill == "zero":
-        return torch.zeros(shape, dtype=dtype)
-    raise ValueError(f"fill must be one of {(*DIRTY_FILLS, 'zero')}, got {fill!r}")
+        buffer = signs[: shape[-1]].expand(physical).contiguous()
+    elif fill == "zero":
+        buffer = torch.zeros(physical, dtype=dtype)
+    else:
+        raise ValueError(f"fill must be one of {(*DIRTY_FILLS, 'zero')}, got {fill!r}")
+    inverse = tuple(order.index(axis) for axis in range(len(order)))
+    return buffer.permute(inverse)
 
 
 def differs(after: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
@@ -128,6 +162,7 @@ def make_batch(
     fill: str = "nan",
     pad_tokens: int = 0,
     backend_cls: type[AttentionBackend] = AttentionBackend,
+    layout: str = "declared",
 ) -> Batch:
     """A batch whose cached prefixes are in a shuffled paged cache that is dirty elsewhere.
 
@@ -138,7 +173,8 @@ def make_batch(
     entries past a sequence's blocks name blocks of other sequences (stale entries of reused
     blocks). ``pad_tokens`` rows of NaN query/key/value with slot -1 follow the real tokens
     (past ``num_actual_tokens``, as a server pads a batch). The random data depend on
-    ``seed`` only, not on ``fill``, so two fills give the same computation.
+    ``seed`` only, not on ``fill`` or ``layout`` (:data:`KV_LAYOUTS`), so two fills or two
+    layouts give the same computation.
     """
     gen = torch.Generator().manual_seed(seed)
     kv_heads, size = opts.num_kv_heads, opts.head_size
@@ -159,7 +195,9 @@ def make_batch(
         table[i, count:] = order[stale].int()
     cached_keys = torch.randn(num_blocks * block_size, kv_heads, size, generator=gen).to(dtype)
     cached_values = torch.randn(cached_keys.shape, generator=gen).to(dtype)
-    kv_cache = dirty_kv_cache(backend_cls, num_blocks, block_size, kv_heads, size, dtype, fill)
+    kv_cache = dirty_kv_cache(
+        backend_cls, num_blocks, block_size, kv_heads, size, dtype, fill, layout
+    )
     builder = AttentionMetadataBuilder(block_size)
     metadata = builder.build(
         query_lens, seq_lens, None if opts.encoder_only else table, causal=not opts.encoder_only
@@ -170,7 +208,6 @@ def make_batch(
     value = torch.randn(num_tokens, kv_heads, size, generator=gen).to(dtype)
     batch = Batch(query, key, value, kv_cache, metadata, query_lens=list(query_lens))
     start = 0
-    flat = kv_cache.view(2, -1, kv_heads, size)
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         new_k, new_v = key[start : start + q_len], value[start : start + q_len]
         start += q_len
@@ -180,8 +217,8 @@ def make_batch(
             continue
         positions = torch.arange(s_len - q_len)
         slots = table[i, positions // block_size].long() * block_size + positions % block_size
-        flat[0][slots] = cached_keys[slots]
-        flat[1][slots] = cached_values[slots]
+        kv_cache[0][slot_index(kv_cache, slots)] = cached_keys[slots]
+        kv_cache[1][slot_index(kv_cache, slots)] = cached_values[slots]
         batch.full_keys.append(torch.cat([cached_keys[slots], new_k]).double())
         batch.full_values.append(torch.cat([cached_values[slots], new_v]).double())
     if opts.encoder_only:

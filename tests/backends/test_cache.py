@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from attn_di.backend import AttentionBackend, AttentionMetadataBuilder
-from tests.backends.reference import Options, differs, make_batch, reference_attention
+from tests.backends.reference import (
+    KV_LAYOUTS,
+    Options,
+    differs,
+    make_batch,
+    reference_attention,
+    slot_index,
+)
 
 
 def test_new_tokens_land_in_their_slots(backend_cls: type[AttentionBackend]) -> None:
@@ -76,3 +84,29 @@ def test_builder_computes_slots_from_the_block_table() -> None:
     assert metadata.block_table.dtype == torch.int32
     assert metadata.slot_mapping.dtype == torch.int64
     assert (metadata.max_query_len, metadata.max_seq_len, metadata.num_actual_tokens) == (2, 9, 3)
+
+
+@pytest.mark.parametrize("layout", list(KV_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_caches_are_written_and_read_in_place(
+    backend_cls: type[AttentionBackend], layout: str, dtype: torch.dtype
+) -> None:
+    """A cache in any memory layout (a permuted view of one NaN-filled buffer, as vLLM hands
+    a layer) is written at exactly the new tokens' slots, through its strides, with no other
+    byte of the buffer changed, and attended in place to the reference's result."""
+    opts = Options(num_heads=6, num_kv_heads=2, head_size=40, sliding_window=30)
+    batch = make_batch(opts, [6, 1, 4, 3], [6, 50, 35, 3], 16, dtype, layout=layout)
+    buffer = batch.kv_cache
+    while buffer._base is not None:  # the allocation itself, in memory order
+        buffer = buffer._base
+    before = buffer.clone()
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+
+    out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+    where = slot_index(batch.kv_cache, batch.metadata.slot_mapping)
+    assert torch.equal(batch.kv_cache[0][where], batch.key)
+    assert torch.equal(batch.kv_cache[1][where], batch.value)
+    assert int(differs(buffer, before).sum()) == 2 * 14 * 2 * 40  # 14 tokens, K and V, 2 heads
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), reference_attention(opts, batch), atol=tol, rtol=tol)

@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 
 from attn_di.backend import AttentionBackend
 from attn_di.exceptions import UnsupportedFeatureError
-from tests.backends.reference import DIRTY_FILLS, Options, make_batch, reference_attention
+from tests.backends.reference import (
+    DIRTY_FILLS,
+    KV_LAYOUTS,
+    Options,
+    make_batch,
+    reference_attention,
+)
 
 TOLERANCES: dict[torch.dtype, float] = {
     torch.float32: 1e-4,
@@ -40,6 +46,7 @@ class Case:
     seed: int
     fill: str
     pad_tokens: int
+    layout: str
 
 
 @st.composite
@@ -80,6 +87,7 @@ def cases(draw: st.DrawFn) -> Case:
         seed=draw(st.integers(0, 2**16)),
         fill=draw(st.sampled_from(DIRTY_FILLS)),
         pad_tokens=draw(st.integers(0, 3)),
+        layout=draw(st.sampled_from(list(KV_LAYOUTS))),
     )
 
 
@@ -91,7 +99,8 @@ def cases(draw: st.DrawFn) -> Case:
 def test_backend_matches_reference(
     backend_cls: type[AttentionBackend], dtype: torch.dtype, case: Case
 ) -> None:
-    """Output matches softmax(QK^T*scale + mask)V in float64, whatever uncovered slots hold."""
+    """Output matches softmax(QK^T*scale + mask)V in float64, whatever uncovered slots hold,
+    in every cache layout (a permuted buffer, read in place)."""
     try:
         impl = backend_cls.get_impl_cls()(**case.opts.impl_kwargs())
     except UnsupportedFeatureError:
@@ -109,6 +118,7 @@ def test_backend_matches_reference(
             fill=fill,
             pad_tokens=case.pad_tokens,
             backend_cls=backend_cls,
+            layout=case.layout,
         )
         out = impl.forward(
             None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata

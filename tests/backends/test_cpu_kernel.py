@@ -27,7 +27,14 @@ from hypothesis import strategies as st
 from attn_di.backend import AttentionMetadata
 from attn_di.backends import _cpu_kernel, cpu_attn
 from attn_di.exceptions import InvalidInputError, KernelUnavailableWarning
-from tests.backends.reference import Batch, Options, make_batch, reference_attention
+from tests.backends.reference import (
+    KV_LAYOUTS,
+    Batch,
+    Options,
+    make_batch,
+    reference_attention,
+    slot_index,
+)
 
 TOLERANCES: dict[torch.dtype, float] = {
     torch.float32: 1e-4,
@@ -56,9 +63,9 @@ def poison_unused_slots(
         positions = torch.arange(seq_len)
         blocks = metadata.block_table[row, positions // block_size].long()
         written[blocks * block_size + positions % block_size] = True
-    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
-    flat[0][~written] = float("nan")
-    flat[1][~written] = float("inf")
+    unwritten = slot_index(kv_cache, torch.nonzero(~written).flatten())
+    kv_cache[0][unwritten] = float("nan")
+    kv_cache[1][unwritten] = float("inf")
 
 
 @dataclass
@@ -71,6 +78,7 @@ class KernelCase:
     block_size: int
     dtype: torch.dtype
     seed: int
+    layout: str = "declared"
 
 
 @st.composite
@@ -97,6 +105,7 @@ def kernel_cases(draw: st.DrawFn) -> KernelCase:
         block_size=draw(st.sampled_from([1, 3, 16, 64, 256])),
         dtype=draw(st.sampled_from(list(TOLERANCES))),
         seed=draw(st.integers(0, 2**16)),
+        layout=draw(st.sampled_from(list(KV_LAYOUTS))),
     )
 
 
@@ -154,9 +163,16 @@ def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
 )
 @given(case=kernel_cases())
 def test_kernel_and_torch_path_match_reference(case: KernelCase, kernel_calls: list[int]) -> None:
-    """Both paths match the float64 reference on short queries with every option, NaN around."""
+    """Both paths match the float64 reference on short queries with every option, NaN around,
+    in every cache layout (strided views read in place)."""
     batch = make_batch(
-        case.opts, case.query_lens, case.seq_lens, case.block_size, case.dtype, seed=case.seed
+        case.opts,
+        case.query_lens,
+        case.seq_lens,
+        case.block_size,
+        case.dtype,
+        seed=case.seed,
+        layout=case.layout,
     )
     expected = reference_attention(case.opts, batch)
 
@@ -245,7 +261,8 @@ def test_kernel_rejects_blocks_outside_the_cache() -> None:
     op = _cpu_kernel.paged_attention_op()
 
     with pytest.raises(RuntimeError, match="outside"):
-        op(query, kv_cache, table, torch.tensor([20]), torch.tensor([0, 1]), out, 0.1, 0, 0.0)
+        op(query, kv_cache[0], kv_cache[1], table, torch.tensor([20]), torch.tensor([0, 1]), out,
+           0.1, 0, 0.0)  # fmt: skip
 
 
 @requires_kernel
@@ -637,7 +654,7 @@ def test_compiled_cache_write_matches_the_torch_write(dtype: torch.dtype, layout
     expected = torch.full((2, 4, 16, 3, 40), float("nan"), dtype=dtype)
     got = expected.clone()
     write_kv_cache(key, value, expected, slots)
-    op(key, value, got, slots)
+    op(key, value, got[0], got[1], slots)
     torch.testing.assert_close(got, expected, equal_nan=True, atol=0, rtol=0)
     assert int(got.isnan().any(dim=(-1, -2)).sum()) == 2 * 64 - 2 * 5  # five slots written
 
@@ -648,6 +665,6 @@ def test_compiled_cache_write_refuses_a_slot_outside_before_writing() -> None:
     op = _cpu_kernel.write_kv_cache_op()
     assert op is not None
     kv_cache = torch.zeros(2, 1, 4, 1, 8)
-    with pytest.raises(RuntimeError, match="slot 4 of token 1 is outside the cache"):
-        op(torch.ones(2, 1, 8), torch.ones(2, 1, 8), kv_cache, torch.tensor([0, 4]))
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 4 is outside the cache"):
+        op(torch.ones(2, 1, 8), torch.ones(2, 1, 8), kv_cache[0], kv_cache[1], torch.tensor([0, 4]))
     assert not bool(kv_cache.any())

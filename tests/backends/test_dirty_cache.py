@@ -17,7 +17,7 @@ from pytest_mock import MockerFixture
 
 from attn_di.backend import AttentionBackend
 from attn_di.backends import _cpu_kernel, cpu_attn
-from attn_di.backends._common import BatchPlan
+from attn_di.backends._common import BatchPlan, cache_rows
 from attn_di.backends.cpu_attn import CPUAttentionBackend, CPUAttentionImpl
 from attn_di.exceptions import UnsupportedFeatureError
 from tests.backends.reference import DIRTY_FILLS, Options, make_batch, reference_attention
@@ -204,7 +204,7 @@ def test_padded_key_indices_name_only_covered_slots() -> None:
         for i in range(len(batch.query_lens))
     ]
 
-    (group,) = BatchPlan(impl, metadata, 16).groups()
+    (group,) = BatchPlan(impl, metadata, cache_rows(batch.kv_cache)).groups()
 
     written = set().union(*covered)
     for slots, seq_covered in zip(group.kv_index.tolist(), covered, strict=True):

@@ -298,8 +298,11 @@ class AttentionImpl(abc.ABC):
             key: ``[N, H_kv, D]``, same dtype as query.
             value: ``[N, H_kv, D]``, same dtype as query.
             kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` (see
-                :meth:`AttentionBackend.get_kv_cache_shape`); may be empty for
-                ``encoder_only``.
+                :meth:`AttentionBackend.get_kv_cache_shape`), in any memory layout whose last
+                axis is contiguous and whose slots do not share memory: attn_di's backends
+                read and write it in place through its strides (e.g. the blocks-outermost
+                buffer vLLM hands each layer, or a head-major block interior); may be empty
+                for ``encoder_only``.
             attn_metadata: the batch's :class:`AttentionMetadata`. attn_di's backends check
                 its indices against the cache once per metadata object, cache shape and
                 token count (the layers of one step share it, as in vLLM), and again after

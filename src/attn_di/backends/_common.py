@@ -33,8 +33,10 @@ if TYPE_CHECKING:
 __all__ = [
     "SCORE_BUDGET",
     "BatchPlan",
+    "CacheRows",
     "SeqGroup",
     "alibi_bias",
+    "cache_rows",
     "check_inputs",
     "new_output",
     "uses_cache",
@@ -337,13 +339,26 @@ def _check_metadata(
             hint="allocate it with backend.get_kv_cache_shape(num_blocks, block_size, "
             "num_kv_heads, head_size)",
         )
-    if not kv_cache.is_contiguous():
+    num_blocks, block_size = int(kv_cache.shape[1]), int(kv_cache.shape[2])
+    if block_size <= 0:
         raise InvalidInputError(
             "kv_cache",
-            "must be contiguous (writes go through a view)",
-            hint="allocate the cache with torch.zeros(shape) rather than a slice or transpose",
+            f"shape {tuple(kv_cache.shape)} has block size {block_size} (axis 2); it must be > 0",
+            hint="allocate it with backend.get_kv_cache_shape(num_blocks, block_size, "
+            "num_kv_heads, head_size) and a block_size >= 1",
         )
-    num_blocks, block_size = int(kv_cache.shape[1]), int(kv_cache.shape[2])
+    strides = kv_cache.stride()
+    if strides[4] != 1 or any(
+        stride == 0 and size > 1 for stride, size in zip(strides, kv_cache.shape, strict=True)
+    ):
+        raise InvalidInputError(
+            "kv_cache",
+            f"strides {strides} of shape {tuple(kv_cache.shape)}: each head's row of "
+            "head_size values must be contiguous (last stride 1) and no two slots may share "
+            "memory (no stride 0)",
+            hint="any layout of the cache's axes is fine (a permuted or sliced buffer, e.g. "
+            "vLLM's blocks-outermost view), but not an expanded one or a transposed last axis",
+        )
     slot_mapping = metadata.slot_mapping
     if int(slot_mapping.shape[0]) < actual:
         raise InvalidInputError(
@@ -403,7 +418,8 @@ def write_kv_cache(
     Args:
         key: ``[N, H_kv, D]``.
         value: ``[N, H_kv, D]``.
-        kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, contiguous, written in place.
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]``, any strides with a contiguous last
+            axis (see :func:`cache_rows`), written in place.
         slot_mapping: ``[>= N]`` int64, ``block_number * block_size + offset`` (vLLM layout).
     """
     num_tokens = int(key.shape[0])
@@ -411,9 +427,92 @@ def write_kv_cache(
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
-    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
-    flat[0].index_copy_(0, slots, key)
-    flat[1].index_copy_(0, slots, value)
+    if _slot_major(kv_cache):
+        flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+        flat[0].index_copy_(0, slots, key)
+        flat[1].index_copy_(0, slots, value)
+        return
+    block_size = int(kv_cache.shape[2])
+    where = (slots // block_size, slots % block_size)
+    kv_cache[0].index_put_(where, key)
+    kv_cache[1].index_put_(where, value)
+
+
+def _slot_major(kv_cache: torch.Tensor) -> bool:
+    """Whether each plane of the cache is one contiguous ``[slots, H_kv, D]`` array
+    (attn_di's own layout): then slots index a flat view directly."""
+    return kv_cache[0].is_contiguous() and kv_cache[1].is_contiguous()
+
+
+@dataclass(frozen=True)
+class CacheRows:
+    """A paged cache's key and value planes as row tables the torch paths gather from.
+
+    A cache of any strides (attn_di's own contiguous layout, vLLM's blocks-outermost buffer
+    ``[num_blocks, 2, block_size, H_kv, D]``, a head-major block interior ...) is read in
+    place: with ``u`` the greatest common divisor of the block and token strides, every token
+    row of a plane starts at a multiple of ``u`` elements, so the plane is a strided view
+    ``[R, H_kv, D]`` of rows ``u`` elements apart, and slot ``s`` of the paged layout is row
+    ``(s // block_size) * block_step + (s % block_size) * token_step``. Rows may overlap in
+    memory (they are only read); for attn_di's own layout the map is the identity.
+
+    Attributes:
+        keys: ``[R, H_kv, D]`` view of the key plane.
+        values: ``[R, H_kv, D]`` view of the value plane.
+        block_size: tokens per block.
+        block_step: rows from one block to the next (``block_stride / u``).
+        token_step: rows from one slot of a block to the next (``token_stride / u``).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    block_size: int
+    block_step: int
+    token_step: int
+
+    @property
+    def identity(self) -> bool:
+        """Whether slot ``s`` is row ``s`` (attn_di's own contiguous layout)."""
+        return self.token_step == 1 and self.block_step == self.block_size
+
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of cache slots (``block * block_size + offset``), same shape, int64."""
+        if self.identity:
+            return slots
+        return (slots // self.block_size) * self.block_step + (
+            slots % self.block_size
+        ) * self.token_step
+
+    def block_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """``[..., block_size]`` rows of every slot of ``blocks`` (block numbers), in order."""
+        offsets = torch.arange(self.block_size, device=blocks.device) * self.token_step
+        return blocks[..., None] * self.block_step + offsets
+
+
+def cache_rows(kv_cache: torch.Tensor) -> CacheRows:
+    """The :class:`CacheRows` of a checked ``[2, num_blocks, block_size, H_kv, D]`` cache.
+
+    The view covers exactly the memory of each plane (no element past it), so it is valid for
+    any tensor torch accepts.
+    """
+    _, num_blocks, block_size, kv_heads, size = (int(n) for n in kv_cache.shape)
+    if _slot_major(kv_cache):
+        flat = kv_cache.view(2, -1, kv_heads, size)
+        return CacheRows(flat[0], flat[1], block_size, block_size, 1)
+    _, block_stride, token_stride, head_stride, _ = kv_cache.stride()
+    unit = math.gcd(block_stride if num_blocks > 1 else 0, token_stride if block_size > 1 else 0)
+    unit = unit or 1
+    block_step = block_stride // unit if num_blocks > 1 else 0
+    token_step = token_stride // unit if block_size > 1 else 0
+    count = (num_blocks - 1) * block_step + (block_size - 1) * token_step + 1 if num_blocks else 0
+    planes = []
+    for plane in (kv_cache[0], kv_cache[1]):
+        planes.append(
+            plane.as_strided(
+                (count, kv_heads, size), (unit, head_stride, 1), plane.storage_offset()
+            )
+        )
+    return CacheRows(planes[0], planes[1], block_size, block_step, token_step)
 
 
 @dataclass
@@ -424,7 +523,8 @@ class SeqGroup:
         query_index: ``[b, Lq]`` int64 token rows of ``query`` (0 where padding).
         query_valid: ``[b, Lq]`` bool, real query tokens.
         query_pos: ``[b, Lq]`` int64 absolute positions of the queries.
-        kv_index: ``[b, Lk]`` int64 rows of the key/value source (cache slots, or tokens).
+        kv_index: ``[b, Lk]`` int64 rows of the key/value source (the cache's rows, see
+            :class:`CacheRows`, or the batch's tokens).
             Past a sequence's length (masked out by ``allowed``) it repeats the sequence's
             first row, so it only names rows that were written, never a slot the sequence
             does not cover, which may hold anything (stale values, NaN, Inf).
@@ -448,12 +548,15 @@ class BatchPlan:
     Args:
         impl: the impl (for heads, window and attention type).
         metadata: the batch.
-        block_size: the cache's block size (ignored without a cache).
+        cache: the cache's rows (:func:`cache_rows`): ``kv_index`` then names their rows;
+            None without a cache (``kv_index`` names the batch's own key/value tokens).
     """
 
-    def __init__(self, impl: AttentionImpl, metadata: AttentionMetadata, block_size: int) -> None:
+    def __init__(
+        self, impl: AttentionImpl, metadata: AttentionMetadata, cache: CacheRows | None
+    ) -> None:
         self.impl = impl
-        self.block_size = block_size
+        self.cache = cache
         self.cached = uses_cache(impl)
         qsl = metadata.query_start_loc.long()
         self.q_start = qsl[:-1]
@@ -491,12 +594,9 @@ class BatchPlan:
         query_pos = (seq_lens - q_lens)[:, None] + j
         k = torch.arange(max_k, device=device)
         kv_valid = k[None, :] < seq_lens[:, None]
-        if self.cached:
-            blocks = self.block_table[start:stop, : math.ceil(max_k / self.block_size)]
-            slots = blocks[:, :, None] * self.block_size + torch.arange(
-                self.block_size, device=device
-            )
-            kv_index = slots.reshape(stop - start, -1)[:, :max_k]
+        if self.cached and self.cache is not None:
+            blocks = self.block_table[start:stop, : math.ceil(max_k / self.cache.block_size)]
+            kv_index = self.cache.block_rows(blocks).reshape(stop - start, -1)[:, :max_k]
         else:
             kv_index = self.q_start[start:stop, None] + k[None, :]
         # A key past a sequence's length reads the sequence's own first key (position 0,

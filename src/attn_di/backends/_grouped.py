@@ -14,7 +14,9 @@ from attn_di.backend._metadata import AttentionMetadata
 from attn_di.backend._types import AttentionType
 from attn_di.backends._common import (
     BatchPlan,
+    CacheRows,
     SeqGroup,
+    cache_rows,
     check_inputs,
     new_output,
     uses_cache,
@@ -56,17 +58,18 @@ class GroupedAttentionImpl(AttentionImpl):
         check_inputs(self, query, key, value, kv_cache, attn_metadata, output)
         result = new_output(query, output)
         actual = attn_metadata.num_actual_tokens
+        cache: CacheRows | None = None
         if uses_cache(self):
             self._write_kv_cache(key[:actual], value[:actual], kv_cache, attn_metadata.slot_mapping)
-            flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
-            key_src, value_src = flat[0], flat[1]
-            block_size = int(kv_cache.shape[2])
-        else:
-            key_src, value_src, block_size = key, value, 1
         rows = result.view(-1, self.num_heads, self.head_size)
         if self._forward_fast(query, kv_cache, attn_metadata, rows):
             return result
-        for group in BatchPlan(self, attn_metadata, block_size).groups():
+        if uses_cache(self):
+            cache = cache_rows(kv_cache)
+            key_src, value_src = cache.keys, cache.values
+        else:
+            key_src, value_src = key, value
+        for group in BatchPlan(self, attn_metadata, cache).groups():
             attended = self._attend(query, key_src, value_src, group)  # [b, H, Lq, D]
             attended = attended.transpose(1, 2)[group.query_valid]
             rows[group.query_index[group.query_valid]] = attended.to(result.dtype)
@@ -106,7 +109,8 @@ class GroupedAttentionImpl(AttentionImpl):
 
         Args:
             query: ``[num_tokens, H, D]``, all of the batch's queries.
-            key_src, value_src: ``[slots, H_kv, D]``: the flattened cache (or the new
-                keys/values themselves when there is no cache).
+            key_src, value_src: ``[rows, H_kv, D]``: the cache's rows (:class:`CacheRows`;
+                ``group.kv_index`` names them), or the new keys/values themselves when there
+                is no cache. Any strides: gather rows, never reshape them.
             group: which query rows and key slots belong to the group's sequences.
         """

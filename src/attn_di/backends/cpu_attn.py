@@ -21,6 +21,7 @@ Four paths:
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, ClassVar
 
@@ -119,7 +120,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         ):
             super()._write_kv_cache(key, value, kv_cache, slot_mapping)
             return
-        op(key, value, kv_cache, slot_mapping)
+        op(key, value, kv_cache[0], kv_cache[1], slot_mapping)
 
     def _forward_fast(
         self,
@@ -171,7 +172,8 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         target = rows if rows.stride(-1) == 1 else rows.contiguous()
         kernel(
             query,
-            kv_cache,
+            kv_cache[0],
+            kv_cache[1],
             metadata.block_table,
             metadata.seq_lens,
             metadata.query_start_loc,
@@ -205,7 +207,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         """
         kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         seqs = int(metadata.seq_lens.shape[0])
-        num_blocks, block_size = int(kv_cache.shape[1]), int(kv_cache.shape[2])
+        block_size = int(kv_cache.shape[2])
         dtype, device = query.dtype, query.device
         seq_lens = metadata.seq_lens.to(device=device, dtype=torch.long)
         max_len = int(seq_lens.max())
@@ -219,10 +221,9 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         table = torch.where(col[None, :] < needed[:, None], table, table[longest, 0])
         block_numel = block_size * kv_heads * size
         group, cols = _decode_chunk(seqs, table_cols, block_size, 4 * block_numel)
-        # Keys and values in one gather: rows [0, n) of the cache view are key blocks,
-        # rows [n, 2n) value blocks.
-        kv_rows = kv_cache.view(2 * num_blocks, block_numel)
-        kv_table = torch.stack((table, table + num_blocks))  # [2, B, cols]
+        # Keys and values in one gather from the blocks' rows (_block_rows).
+        kv_rows, key_step, value_first = _block_rows(kv_cache)
+        kv_table = torch.stack((table * key_step, table * key_step + value_first))  # [2, B, cols]
         buffer = self._workspace.get("decode_kv", 2 * group * cols * block_numel, dtype, device)
         queries = query[:seqs].reshape(seqs, kv_heads, per_kv, size)
         ragged = bool((seq_lens != needed * block_size).any()) or bool((needed != table_cols).any())
@@ -471,10 +472,40 @@ def _is_pure_decode(
         return False
     if impl.sliding_window is not None or kv_cache.dtype != query.dtype:
         return False
+    if not _token_major_blocks(kv_cache):
+        return False
     if not _use_flash_kernel(impl, query, kv_cache, kv_cache):
         return False
     starts = metadata.query_start_loc
     return int(starts[-1]) == seqs and bool((starts[1:] - starts[:-1] == 1).all())
+
+
+def _token_major_blocks(kv_cache: torch.Tensor) -> bool:
+    """Whether each cache block is one contiguous ``[block_size, H_kv, D]`` array (token rows
+    of all heads, one after another), as :meth:`CPUAttentionImpl._decode_flash` gathers it."""
+    _, _, block_size, kv_heads, size = kv_cache.shape
+    _, _, token_stride, head_stride, _ = kv_cache.stride()
+    return head_stride == size and (token_stride == kv_heads * size or block_size == 1)
+
+
+def _block_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(rows, key_step, value_first)``: the cache's blocks as rows of ``block_numel`` values.
+
+    Key block b is row ``b * key_step``, value block b row ``value_first + b * key_step``: the
+    rows are ``u`` elements apart, ``u`` the greatest common divisor of the block stride and
+    the offset of the value plane, so one view (rows may overlap; they are only read) serves
+    attn_di's layout (``[2, num_blocks, ...]``: key block b is row b, value block b row
+    ``num_blocks + b``) and vLLM's blocks-outermost one (``[num_blocks, 2, ...]``: rows 2b and
+    2b + 1). Needs :func:`_token_major_blocks`.
+    """
+    num_blocks = int(kv_cache.shape[1])
+    block_numel = int(kv_cache[0, 0].numel())
+    plane_stride, block_stride = kv_cache.stride(0), kv_cache.stride(1)
+    unit = math.gcd(plane_stride, block_stride if num_blocks > 1 else 0) or 1
+    key_step, value_first = block_stride // unit, plane_stride // unit
+    count = value_first + (num_blocks - 1) * key_step + 1 if num_blocks else 0
+    rows = kv_cache.as_strided((count, block_numel), (unit, 1), kv_cache.storage_offset())
+    return rows, key_step, value_first
 
 
 # Bytes of keys per decode chunk, counted as float32 (so half that in bf16/fp16 caches),
@@ -550,7 +581,11 @@ class _HeadMajorGather:
         self.key_src, self.value_src = key_src, value_src
         self.seqs = seqs
         self.kv_heads, self.size = int(key_src.shape[1]), int(key_src.shape[2])
-        self.direct = key_src.dtype == torch.float32
+        # Head rows straight from the source need [H_kv, D] token rows (a flat view of D rows).
+        self.direct = key_src.dtype == torch.float32 and all(
+            src.stride(1) == self.size and src.stride(0) == self.kv_heads * self.size
+            for src in (key_src, value_src)
+        )
         count = self.kv_heads * seqs * chunk * self.size
         device = key_src.device
         self.keys = workspace.get("keys", count, torch.float32, device).view(-1, self.size)
@@ -573,8 +608,10 @@ class _HeadMajorGather:
             values = self.value_src.reshape(-1, self.size)[rows].float()
         elif self.direct:
             rows = (kv_index.reshape(1, -1) * self.kv_heads + self.head_offsets).reshape(-1)
-            torch.index_select(self.key_src.reshape(-1, self.size), 0, rows, out=keys)
-            torch.index_select(self.value_src.reshape(-1, self.size), 0, rows, out=values)
+            heads = self.key_src.shape[0] * self.kv_heads
+            for src, dst in ((self.key_src, keys), (self.value_src, values)):
+                flat = src.as_strided((heads, self.size), (self.size, 1), src.storage_offset())
+                torch.index_select(flat, 0, rows, out=dst)
         else:
             index = kv_index.reshape(-1)
             staged = self.staged[: self.seqs * width]

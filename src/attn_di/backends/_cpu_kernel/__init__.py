@@ -149,7 +149,19 @@ def kernel_status() -> KernelStatus:
 
 
 def paged_attention_op() -> Any:
-    """``torch.ops.attn_di.paged_attention``, or None when CPU_ATTN uses pure torch."""
+    """``torch.ops.attn_di.paged_attention``, or None when CPU_ATTN uses pure torch.
+
+    ``op(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
+    sliding_window, soft_cap, alibi_slopes=None, sinks=None)`` writes into ``out``
+    (``[>= N, H, D]``, last axis contiguous) the attention of each sequence's queries
+    (``query[query_start_loc[b]:query_start_loc[b + 1]]``, ``[N, H, D]``, its last positions)
+    over the first ``seq_lens[b]`` positions of its paged K/V. ``key_cache`` and
+    ``value_cache`` are ``[num_blocks, block_size, H_kv, D]`` with any strides whose last one
+    is 1 (``kv_cache[0]``, ``kv_cache[1]`` of any layout). ``sliding_window`` 0 and ``soft_cap``
+    0 mean off; ``alibi_slopes`` and ``sinks`` are ``[H]``. Every argument is checked before
+    memory is touched: a malformed one raises ``RuntimeError`` naming it. It records no
+    autograd history.
+    """
     if _PURE_TORCH:
         return None
     return _OP if kernel_status().active else None
@@ -158,10 +170,13 @@ def paged_attention_op() -> Any:
 def write_kv_cache_op() -> Any:
     """``torch.ops.attn_di.write_kv_cache``, or None when CPU_ATTN uses pure torch.
 
-    ``op(key, value, kv_cache, slot_mapping)`` writes each token's ``[H_kv, D]`` key and
-    value rows at its slot of the contiguous ``[2, num_blocks, block_size, H_kv, D]`` cache,
-    skipping negative slots, in one call (vLLM's ``reshape_and_cache`` for this layout). It
-    records no autograd history.
+    ``op(key, value, key_cache, value_cache, slot_mapping)`` writes each token's ``[H_kv, D]``
+    key and value rows (``[N, H_kv, D]``, last axis contiguous) at its slot
+    (``block * block_size + offset``) of ``key_cache`` / ``value_cache`` (``[num_blocks,
+    block_size, H_kv, D]``, any strides whose last one is 1), skipping negative slots, in one
+    call (vLLM's ``reshape_and_cache``). Every slot is checked before the first write: a slot
+    past the cache raises ``RuntimeError`` and nothing is written. It records no autograd
+    history.
     """
     if _PURE_TORCH:
         return None

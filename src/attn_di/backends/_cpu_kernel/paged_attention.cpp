@@ -4,12 +4,23 @@
 // softmax(q . k * scale [soft cap] [+ ALiBi] [sliding window]) . v (Vaswani et al. 2017), with
 // sinks in the denominator only. Layouts are vLLM's (and attn_di's, see attn_di.backend):
 //   query      [N, H, D]                     (last dim contiguous; any row strides)
-//   kv_cache   [2, num_blocks, block_size, H_kv, D], contiguous
+//   key_cache, value_cache [num_blocks, block_size, H_kv, D], strided (last dim contiguous)
 //   block_table[B, max_blocks]               position p of sequence b is at slot
 //                                            block_table[b, p / block_size] * block_size + p % block_size
 //   seq_lens   [B], query_start_loc [B + 1]; the queries of sequence b are its last
 //                                            q_len = query_start_loc[b+1] - query_start_loc[b] positions.
 //   out        [N, H, D]                     (last dim contiguous), rows of real tokens written.
+//
+// The caches are strided views: key_cache and value_cache are [num_blocks, block_size, H_kv, D]
+// with any strides whose last one is 1 (kv_cache[0] and kv_cache[1] of attn_di's layout, the
+// blocks-outermost [num_blocks, 2, block_size, H_kv, D] buffer vLLM hands a layer, a head-major
+// block interior [num_blocks, H_kv, block_size, D], ...). A token's row of one KV head is D
+// contiguous values at block * block_stride + offset * token_stride + head * head_stride.
+//
+// Memory safety: every op checks, before it touches memory, every shape, stride, dtype, device
+// and index it relies on (out rows, block size > 0, query_start_loc monotone and within query and
+// out, seq_lens covered by the block table, block ids and slots within the cache) and raises a
+// RuntimeError (TORCH_CHECK) naming the argument.
 //
 // Work: one item = one sequence x one partition of its visible keys. An item reads its key
 // rows in block-table order, a whole token row (all KV heads) at a time, computes every
@@ -23,6 +34,7 @@
 // product, so garbage (NaN/Inf) anywhere else in the cache cannot reach the output.
 // Accumulation is float32 whatever the cache dtype.
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -259,23 +271,47 @@ inline void value_tile(const T* const* v, int64_t nt, const float* p, int64_t p_
   }
 }
 
-// A cache row (H_kv * D values) as float32: the row itself, or its conversion in `scratch`.
+// One strided cache plane ([num_blocks, block_size, H_kv, D], last dim contiguous).
 template <typename T>
-inline const float* as_float(const T* row, int64_t n, float* scratch) {
+struct CacheView {
+  const T* base;
+  int64_t block_stride, token_stride, head_stride;
+
+  // The token row of position `offset` in block `block` (its KV head 0).
+  const T* row(int64_t block, int64_t offset) const {
+    return base + block * block_stride + offset * token_stride;
+  }
+};
+
+// D values of a cache row as float32 into `dst`.
+template <typename T>
+inline void convert_head(const T* src, int64_t n, float* dst) {
   using bVec = at::vec::Vectorized<T>;
   int64_t i = 0;
   for (; i + bVec::size() <= n; i += bVec::size()) {
-    auto converted = at::vec::convert_to_float<T>(bVec::loadu(row + i));
-    std::get<0>(converted).store(scratch + i);
-    std::get<1>(converted).store(scratch + i + kLanes);
+    auto converted = at::vec::convert_to_float<T>(bVec::loadu(src + i));
+    std::get<0>(converted).store(dst + i);
+    std::get<1>(converted).store(dst + i + kLanes);
   }
-  for (; i < n; ++i) scratch[i] = static_cast<float>(row[i]);
-  return scratch;
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-template <>
-inline const float* as_float<float>(const float* row, int64_t, float*) {
-  return row;
+// A token row (H_kv heads of D values, head g at row + g * head_stride) as float32 [H_kv, D]:
+// the row itself where it already is that (float32, heads adjacent), else a copy in `scratch`.
+template <typename T>
+inline const float* as_float(const T* row, int64_t kv_heads, int64_t size, int64_t head_stride,
+                             float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (head_stride == size) return row;
+  }
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    if constexpr (std::is_same_v<T, float>) {
+      std::copy(row + g * head_stride, row + g * head_stride + size, scratch + g * size);
+    } else {
+      convert_head<T>(row + g * head_stride, size, scratch + g * size);
+    }
+  }
+  return scratch;
 }
 
 // Token rows touched ahead of use, one line per 4 KiB: a token row (H_kv * D values) is often
@@ -284,9 +320,20 @@ inline const float* as_float<float>(const float* row, int64_t, float*) {
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kPageBytes = 4096;
 
-inline void prefetch_row(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
+inline void prefetch_span(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
   for (int64_t off = 0; off < bytes; off += kPageBytes) __builtin_prefetch(p + off, 0, 3);
+}
+
+// A token row's heads ahead of use: one span where the heads are adjacent, else each head.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t kv_heads, int64_t size, int64_t head_stride) {
+  if (head_stride == size) {
+    prefetch_span(row, kv_heads * size * static_cast<int64_t>(sizeof(T)));
+    return;
+  }
+  for (int64_t g = 0; g < kv_heads; ++g)
+    prefetch_span(row + g * head_stride, size * static_cast<int64_t>(sizeof(T)));
 }
 
 // Query rows [i_lo, i_hi) (of q_len) may see key position `key`: causal and windowed.
@@ -378,8 +425,8 @@ template <typename T>
 struct Kernel {
   const T* query;
   int64_t q_stride0, q_stride1;
-  const T* keys;    // kv_cache[0], flat
-  const T* values;  // kv_cache[1], flat
+  CacheView<T> keys;    // key_cache
+  CacheView<T> values;  // value_cache
   const int64_t* table;
   int64_t table_stride;
   T* out;
@@ -390,10 +437,8 @@ struct Kernel {
   float* partial_max;  // [rows]
   float* partial_sum;  // [rows]
 
-  const T* key_row(const T* base, const Sequence& s, int64_t seq, int64_t pos) const {
-    const int64_t block = table[seq * table_stride + pos / o.block_size];
-    const int64_t slot = block * o.block_size + pos % o.block_size;
-    return base + slot * o.kv_heads * o.head_size;
+  const T* key_row(const CacheView<T>& view, const Sequence&, int64_t seq, int64_t pos) const {
+    return view.row(table[seq * table_stride + pos / o.block_size], pos % o.block_size);
   }
 
   void run_item(const Item& item, Scratch& sc) const {
@@ -420,7 +465,6 @@ struct Kernel {
     // are one contiguous range [r_lo, r_hi), the others hold -inf (never computed). Keys go
     // in tiles of kTile tokens; a tile every query row sees whole (always so in decode) takes
     // the register-blocked path.
-    const int64_t row_bytes = row_width * static_cast<int64_t>(sizeof(T));
     const T* tile_rows[kTile];
     const T* head_rows[kTile];
     auto modify_scores = [&](int64_t j, int64_t r_lo, int64_t r_hi) {
@@ -440,12 +484,12 @@ struct Kernel {
     for (int64_t j0 = 0; j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
       for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
-          prefetch_row(key_row(keys, s, item.seq, item.start + t), row_bytes);
+          prefetch_row(key_row(keys, s, item.seq, item.start + t), o.kv_heads, D, keys.head_stride);
       if (full_tile(s, o, item.start + j0, nt)) {
         for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(keys, s, item.seq, item.start + j0 + t);
         for (int64_t i = 0; i < s.q_len; ++i)
           for (int64_t g = 0; g < o.kv_heads; ++g) {
-            for (int64_t t = 0; t < nt; ++t) head_rows[t] = tile_rows[t] + g * D;
+            for (int64_t t = 0; t < nt; ++t) head_rows[t] = tile_rows[t] + g * keys.head_stride;
             const int64_t r0 = i * H + g * G;
             float* out = scores + j0 * rows + r0;
             for_head_groups(G, [&](auto nr, int64_t h) {
@@ -465,7 +509,8 @@ struct Kernel {
         std::fill(sj, sj + r_lo, kNegInf);
         std::fill(sj + r_hi, sj + rows, kNegInf);
         if (r_lo >= r_hi) continue;
-        const float* k = as_float<T>(key_row(keys, s, item.seq, pos), row_width, sc.key_row.data());
+        const float* k = as_float<T>(key_row(keys, s, item.seq, pos), o.kv_heads, D,
+                                     keys.head_stride, sc.key_row.data());
         for (int64_t i = i_lo; i < i_hi; ++i)
           for (int64_t g = 0; g < o.kv_heads; ++g) {
             const float* kg = k + g * D;
@@ -484,12 +529,12 @@ struct Kernel {
     for (int64_t j0 = 0; j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
       for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
-          prefetch_row(key_row(values, s, item.seq, item.start + t), row_bytes);
+          prefetch_row(key_row(values, s, item.seq, item.start + t), o.kv_heads, D, values.head_stride);
       if (full_tile(s, o, item.start + j0, nt)) {
         for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(values, s, item.seq, item.start + j0 + t);
         for (int64_t i = 0; i < s.q_len; ++i)
           for (int64_t g = 0; g < o.kv_heads; ++g) {
-            for (int64_t t = 0; t < nt; ++t) head_rows[t] = tile_rows[t] + g * D;
+            for (int64_t t = 0; t < nt; ++t) head_rows[t] = tile_rows[t] + g * values.head_stride;
             const int64_t r0 = i * H + g * G;
             const float* pj = scores + j0 * rows + r0;
             for_head_groups(G, [&](auto nr, int64_t h) {
@@ -503,7 +548,8 @@ struct Kernel {
         int64_t i_lo, i_hi;
         visible_rows(s, o, pos, i_lo, i_hi);
         if (i_lo >= i_hi) continue;
-        const float* v = as_float<T>(key_row(values, s, item.seq, pos), row_width, sc.value_row.data());
+        const float* v = as_float<T>(key_row(values, s, item.seq, pos), o.kv_heads, D,
+                                     values.head_stride, sc.value_row.data());
         const float* pj = scores + j * rows;
         for (int64_t i = i_lo; i < i_hi; ++i)
           for (int64_t g = 0; g < o.kv_heads; ++g) {
@@ -585,18 +631,64 @@ struct Kernel {
   static const float* pick(const float* const* accs, int64_t part) { return accs[part]; }
 };
 
+// -- argument checks (before any memory is touched) ---------------------------------------
+
+// A dense CPU tensor: what the ops read through raw pointers.
+void check_dense_cpu(const char* op, const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined(), "attn_di ", op, ": ", name, " is an undefined tensor");
+  TORCH_CHECK(t.device().is_cpu(), "attn_di ", op, ": ", name, " must be on the CPU, got ",
+              t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, "attn_di ", op, ": ", name,
+              " must be a dense (strided) tensor, got layout ", t.layout());
+}
+
+// An integer index tensor of rank `rank`, as int64 and contiguous (a copy only if needed).
+at::Tensor index_tensor(const char* op, const at::Tensor& t, const char* name, int64_t rank) {
+  check_dense_cpu(op, t, name);
+  TORCH_CHECK(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), "attn_di ", op, ": ",
+              name, " must be an integer tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == rank, "attn_di ", op, ": ", name, " must be ", rank, "-D, got shape ",
+              t.sizes());
+  return t.to(at::kLong).contiguous();
+}
+
+// key_cache and value_cache: [num_blocks, block_size, H_kv, D] views of one dtype, last dim
+// contiguous, block_size > 0.
+void check_caches(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  check_dense_cpu(op, key_cache, "key_cache");
+  check_dense_cpu(op, value_cache, "value_cache");
+  TORCH_CHECK(key_cache.dim() == 4, "attn_di ", op,
+              ": key_cache must be [num_blocks, block_size, H_kv, D], got shape ", key_cache.sizes());
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "attn_di ", op, ": value_cache shape ",
+              value_cache.sizes(), " differs from key_cache shape ", key_cache.sizes());
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "attn_di ", op,
+              ": value_cache dtype ", value_cache.scalar_type(), " differs from key_cache dtype ",
+              key_cache.scalar_type());
+  TORCH_CHECK(key_cache.size(1) > 0, "attn_di ", op, ": key_cache's block size (axis 1) must be > 0, got ",
+              key_cache.size(1));
+  TORCH_CHECK(key_cache.size(2) > 0 && key_cache.size(3) > 0, "attn_di ", op,
+              ": key_cache needs H_kv > 0 and D > 0, got shape ", key_cache.sizes());
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "attn_di ", op,
+              ": key_cache and value_cache need a contiguous last dimension, got strides ",
+              key_cache.strides(), " and ", value_cache.strides());
+}
+
 template <typename T>
-void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& table,
-         std::vector<Sequence>& seqs, std::vector<Item>& items, at::Tensor& out, const Options& o,
-         int64_t partial_rows) {
-  const int64_t cache_half = kv_cache.size(1) * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4);
+CacheView<T> cache_view(const at::Tensor& cache) {
+  return {cache.const_data_ptr<T>(), cache.stride(0), cache.stride(1), cache.stride(2)};
+}
+
+template <typename T>
+void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const at::Tensor& table, std::vector<Sequence>& seqs, std::vector<Item>& items,
+         at::Tensor& out, const Options& o, int64_t partial_rows) {
   std::vector<float> partial_acc(partial_rows * o.head_size), partial_max(partial_rows),
       partial_sum(partial_rows);
   Kernel<T> kernel{query.const_data_ptr<T>(),
                    query.stride(0),
                    query.stride(1),
-                   kv_cache.const_data_ptr<T>(),
-                   kv_cache.const_data_ptr<T>() + cache_half,
+                   cache_view<T>(key_cache),
+                   cache_view<T>(value_cache),
                    table.const_data_ptr<int64_t>(),
                    table.stride(0),
                    out.mutable_data_ptr<T>(),
@@ -634,31 +726,51 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   });
 }
 
-void paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
-                     const at::Tensor& block_table_in, const at::Tensor& seq_lens_in,
-                     const at::Tensor& query_start_loc_in, at::Tensor& out, double scale,
-                     int64_t sliding_window, double soft_cap,
+// A per-head option ([H] floats: ALiBi slopes, sinks) as a contiguous float32 CPU tensor.
+at::Tensor head_option(const std::optional<at::Tensor>& given, const char* name, int64_t heads) {
+  check_dense_cpu("paged_attention", *given, name);
+  TORCH_CHECK(given->numel() == heads, "attn_di paged_attention: ", name, " must be [H] = [",
+              heads, "], got shape ", given->sizes());
+  return given->to(at::kFloat).contiguous();
+}
+
+void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_table_in,
+                     const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
+                     at::Tensor& out, double scale, int64_t sliding_window, double soft_cap,
                      const std::optional<at::Tensor>& alibi_slopes_in,
                      const std::optional<at::Tensor>& sinks_in) {
-  TORCH_CHECK(query_in.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
-              "attn_di paged_attention: CPU tensors only");
-  TORCH_CHECK(query_in.dim() == 3 && out.dim() == 3, "query and out must be [N, H, D]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, num_blocks, block_size, H_kv, D]");
-  TORCH_CHECK(query_in.scalar_type() == kv_cache.scalar_type() &&
-                  out.scalar_type() == kv_cache.scalar_type(),
-              "query, kv_cache and out must share one dtype");
-  TORCH_CHECK(out.stride(2) == 1, "out's last dimension must be contiguous");
+  constexpr const char* op = "paged_attention";
+  check_dense_cpu(op, query_in, "query");
+  check_dense_cpu(op, out, "out");
+  check_caches(op, key_cache, value_cache);
+  TORCH_CHECK(query_in.dim() == 3, "attn_di paged_attention: query must be [N, H, D], got shape ",
+              query_in.sizes());
+  TORCH_CHECK(out.dim() == 3, "attn_di paged_attention: out must be [N, H, D], got shape ",
+              out.sizes());
+  TORCH_CHECK(query_in.scalar_type() == key_cache.scalar_type() &&
+                  out.scalar_type() == key_cache.scalar_type(),
+              "attn_di paged_attention: query (", query_in.scalar_type(), "), key_cache (",
+              key_cache.scalar_type(), ") and out (", out.scalar_type(), ") must share one dtype");
+  TORCH_CHECK(out.stride(2) == 1, "attn_di paged_attention: out's last dimension must be contiguous");
+  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes,
+              "attn_di paged_attention: out has elements that share memory (e.g. a stride of 0)");
   const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
   Options o;
   o.heads = query.size(1);
   o.head_size = query.size(2);
-  o.num_blocks = kv_cache.size(1);
-  o.block_size = kv_cache.size(2);
-  o.kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == o.head_size && out.size(1) == o.heads && out.size(2) == o.head_size,
-              "head sizes of query, kv_cache and out differ");
-  TORCH_CHECK(o.kv_heads > 0 && o.heads % o.kv_heads == 0, "heads must be a multiple of kv heads");
+  o.num_blocks = key_cache.size(0);
+  o.block_size = key_cache.size(1);
+  o.kv_heads = key_cache.size(2);
+  TORCH_CHECK(o.heads > 0 && o.head_size > 0, "attn_di paged_attention: query must have H > 0 and D > 0, got shape ",
+              query.sizes());
+  TORCH_CHECK(key_cache.size(3) == o.head_size, "attn_di paged_attention: key_cache head size ",
+              key_cache.size(3), " differs from query's ", o.head_size);
+  TORCH_CHECK(out.size(1) == o.heads && out.size(2) == o.head_size,
+              "attn_di paged_attention: out shape ", out.sizes(), " should be [N, ", o.heads, ", ",
+              o.head_size, "] like query");
+  TORCH_CHECK(o.heads % o.kv_heads == 0, "attn_di paged_attention: query heads (", o.heads,
+              ") must be a multiple of key_cache's KV heads (", o.kv_heads, ")");
   o.group = o.heads / o.kv_heads;
   o.scale = static_cast<float>(scale);
   o.window = sliding_window > 0 ? sliding_window : 0;
@@ -667,44 +779,54 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
   o.alibi = nullptr;
   o.sinks = nullptr;
   if (alibi_slopes_in.has_value()) {
-    alibi = alibi_slopes_in->to(at::kFloat).contiguous();
-    TORCH_CHECK(alibi.numel() == o.heads, "alibi_slopes must be [H]");
+    alibi = head_option(alibi_slopes_in, "alibi_slopes", o.heads);
     o.alibi = alibi.const_data_ptr<float>();
   }
   if (sinks_in.has_value()) {
-    sinks = sinks_in->to(at::kFloat).contiguous();
-    TORCH_CHECK(sinks.numel() == o.heads, "sinks must be [H]");
+    sinks = head_option(sinks_in, "sinks", o.heads);
     o.sinks = sinks.const_data_ptr<float>();
   }
-  const at::Tensor table = block_table_in.to(at::kLong).contiguous();
-  const at::Tensor seq_lens = seq_lens_in.to(at::kLong).contiguous();
-  const at::Tensor starts = query_start_loc_in.to(at::kLong).contiguous();
+  const at::Tensor table = index_tensor(op, block_table_in, "block_table", 2);
+  const at::Tensor seq_lens = index_tensor(op, seq_lens_in, "seq_lens", 1);
+  const at::Tensor starts = index_tensor(op, query_start_loc_in, "query_start_loc", 1);
   const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(starts.numel() == num_seqs + 1 && table.dim() == 2 && table.size(0) == num_seqs,
-              "query_start_loc must be [B + 1] and block_table [B, max_blocks]");
+  TORCH_CHECK(starts.size(0) == num_seqs + 1, "attn_di paged_attention: query_start_loc must be [B + 1] = [",
+              num_seqs + 1, "] (B = seq_lens' length), got shape ", starts.sizes());
+  TORCH_CHECK(table.size(0) == num_seqs, "attn_di paged_attention: block_table must be [B, max_blocks] with B = ",
+              num_seqs, ", got shape ", table.sizes());
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
   const int64_t* qsl = starts.const_data_ptr<int64_t>();
   const int64_t* blocks = table.const_data_ptr<int64_t>();
+  const int64_t rows_in = std::min<int64_t>(query.size(0), out.size(0));
+  TORCH_CHECK(num_seqs == 0 || (qsl[0] >= 0 && qsl[num_seqs] <= rows_in),
+              "attn_di paged_attention: query_start_loc ", starts.sizes(), " must lie in [0, ",
+              rows_in, "] (query has ", query.size(0), " rows, out ", out.size(0), "), got [",
+              num_seqs ? qsl[0] : 0, ", ..., ", num_seqs ? qsl[num_seqs] : 0, "]");
 
   // Plan: each sequence's visible key range, cut into partitions.
   std::vector<Sequence> seqs(num_seqs);
   int64_t total_keys = 0, max_rows = 1;
+  const int64_t max_blocks = table.size(1);
   for (int64_t b = 0; b < num_seqs; ++b) {
     Sequence& s = seqs[b];
     s.first_query = qsl[b];
     s.q_len = qsl[b + 1] - qsl[b];
     s.seq_len = lens[b];
-    TORCH_CHECK(s.q_len >= 0 && s.seq_len >= s.q_len && qsl[b + 1] <= query.size(0),
-                "sequence ", b, ": query_start_loc/seq_lens inconsistent");
+    TORCH_CHECK(s.q_len >= 0, "attn_di paged_attention: query_start_loc must not decrease, but entry ",
+                b + 1, " (", qsl[b + 1], ") < entry ", b, " (", qsl[b], ")");
+    TORCH_CHECK(s.seq_len >= s.q_len, "attn_di paged_attention: seq_lens[", b, "] = ", s.seq_len,
+                " is shorter than its ", s.q_len, " query tokens");
+    // ceil(seq_len / block_size) <= max_blocks, without overflow
+    TORCH_CHECK(s.seq_len / o.block_size + (s.seq_len % o.block_size != 0) <= max_blocks,
+                "attn_di paged_attention: block_table has ", max_blocks, " columns, too few for seq_lens[",
+                b, "] = ", s.seq_len, " with block size ", o.block_size);
     const int64_t first_pos = s.seq_len - s.q_len;
     s.lo = o.window > 0 ? std::max<int64_t>(0, first_pos - o.window + 1) : 0;
     if (s.q_len == 0) s.lo = s.seq_len;
-    TORCH_CHECK((s.seq_len + o.block_size - 1) / o.block_size <= table.size(1),
-                "block_table too short for sequence ", b);
     for (int64_t c = s.lo / o.block_size; c * o.block_size < s.seq_len; ++c) {
-      const int64_t block = blocks[b * table.size(1) + c];
-      TORCH_CHECK(block >= 0 && block < o.num_blocks, "sequence ", b, " uses block ", block,
-                  " outside [0, ", o.num_blocks, ")");
+      const int64_t block = blocks[b * max_blocks + c];
+      TORCH_CHECK(block >= 0 && block < o.num_blocks, "attn_di paged_attention: block_table[", b, ", ", c,
+                  "] = ", block, " is outside the cache's blocks [0, ", o.num_blocks, ")");
     }
     total_keys += (s.seq_len - s.lo) * std::max<int64_t>(1, s.q_len);
     max_rows = std::max(max_rows, s.q_len * o.heads);
@@ -740,57 +862,71 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
     if (s.num_items > 1) partial_rows += s.num_items * rows;
   }
   if (items.empty()) return;
-  switch (kv_cache.scalar_type()) {
+  switch (key_cache.scalar_type()) {
     case at::kFloat:
-      run<float>(query, kv_cache, table, seqs, items, out, o, partial_rows);
+      run<float>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(query, kv_cache, table, seqs, items, out, o, partial_rows);
+      run<c10::BFloat16>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
       break;
     case at::kHalf:
-      run<c10::Half>(query, kv_cache, table, seqs, items, out, o, partial_rows);
+      run<c10::Half>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
       break;
     default:
-      TORCH_CHECK(false, "attn_di paged_attention: unsupported dtype ", kv_cache.scalar_type());
+      TORCH_CHECK(false, "attn_di paged_attention: unsupported dtype ", key_cache.scalar_type(),
+                  " (float32, bfloat16 and float16 are)");
   }
 }
 
-// kv_cache[0] rows <- key rows, kv_cache[1] rows <- value rows, each token's at its slot
-// (slot = block * block_size + offset, vLLM's reshape_and_cache for this layout); a negative
-// slot (padding) is skipped. Every slot is checked before anything is written.
-void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                    const at::Tensor& slot_mapping_in) {
-  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu(),
-              "attn_di write_kv_cache: CPU tensors only");
-  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [N, H_kv, D]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, num_blocks, block_size, H_kv, D]");
-  TORCH_CHECK(kv_cache.size(3) == key.size(1) && kv_cache.size(4) == key.size(2),
-              "key and kv_cache head axes differ");
-  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
-                  value.scalar_type() == kv_cache.scalar_type(),
-              "key, value and kv_cache must share one dtype");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be contiguous");
+// key_cache rows <- key rows, value_cache rows <- value rows, each token's at its slot
+// (slot = block * block_size + offset, vLLM's reshape_and_cache); a negative slot (padding) is
+// skipped. Every argument and slot is checked before anything is written.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                    at::Tensor& value_cache, const at::Tensor& slot_mapping_in) {
+  constexpr const char* op = "write_kv_cache";
+  check_dense_cpu(op, key, "key");
+  check_dense_cpu(op, value, "value");
+  check_caches(op, key_cache, value_cache);
+  TORCH_CHECK(key.dim() == 3, "attn_di write_kv_cache: key must be [N, H_kv, D], got shape ", key.sizes());
+  TORCH_CHECK(value.sizes() == key.sizes(), "attn_di write_kv_cache: value shape ", value.sizes(),
+              " differs from key shape ", key.sizes());
+  TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
+              "attn_di write_kv_cache: key is [N, ", key.size(1), ", ", key.size(2),
+              "] but key_cache rows are [", key_cache.size(2), ", ", key_cache.size(3), "]");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+                  value.scalar_type() == key_cache.scalar_type(),
+              "attn_di write_kv_cache: key (", key.scalar_type(), "), value (", value.scalar_type(),
+              ") and the caches (", key_cache.scalar_type(), ") must share one dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
+              "attn_di write_kv_cache: key and value need a contiguous last dimension");
+  TORCH_CHECK(at::has_internal_overlap(key_cache) != at::MemOverlap::Yes &&
+                  at::has_internal_overlap(value_cache) != at::MemOverlap::Yes,
+              "attn_di write_kv_cache: a cache has elements that share memory (e.g. a stride of 0)");
   const int64_t n = key.size(0), heads = key.size(1), size = key.size(2);
-  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) >= n, "slot_mapping needs one slot per token");
+  const at::Tensor slots = index_tensor(op, slot_mapping_in, "slot_mapping", 1);
+  TORCH_CHECK(slots.size(0) >= n, "attn_di write_kv_cache: slot_mapping has ", slots.size(0),
+              " entries for ", n, " tokens (one slot per token)");
   const int64_t* slot = slots.const_data_ptr<int64_t>();
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_slots = key_cache.size(0) * block_size;
   for (int64_t t = 0; t < n; ++t)
-    TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " of token ", t, " is outside the cache");
-  const int64_t item = static_cast<int64_t>(kv_cache.element_size());
-  const int64_t row_bytes = heads * size * item, head_bytes = size * item;
-  char* keys = static_cast<char*>(kv_cache.data_ptr());
-  char* values = keys + num_slots * row_bytes;
+    TORCH_CHECK(slot[t] < num_slots, "attn_di write_kv_cache: slot_mapping[", t, "] = ", slot[t],
+                " is outside the cache's ", num_slots, " slots");
+  const int64_t item = static_cast<int64_t>(key_cache.element_size());
+  const int64_t head_bytes = size * item;
+  char* keys = static_cast<char*>(key_cache.data_ptr());
+  char* values = static_cast<char*>(value_cache.data_ptr());
   const char* key_data = static_cast<const char*>(key.const_data_ptr());
   const char* value_data = static_cast<const char*>(value.const_data_ptr());
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slot[t] < 0) continue;
+      const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
       for (int64_t h = 0; h < heads; ++h) {
-        const int64_t at = slot[t] * row_bytes + h * head_bytes;
-        std::memcpy(keys + at, key_data + (t * key.stride(0) + h * key.stride(1)) * item, head_bytes);
-        std::memcpy(values + at, value_data + (t * value.stride(0) + h * value.stride(1)) * item,
+        const int64_t k_at = block * key_cache.stride(0) + offset * key_cache.stride(1) + h * key_cache.stride(2);
+        const int64_t v_at = block * value_cache.stride(0) + offset * value_cache.stride(1) + h * value_cache.stride(2);
+        std::memcpy(keys + k_at * item, key_data + (t * key.stride(0) + h * key.stride(1)) * item, head_bytes);
+        std::memcpy(values + v_at * item, value_data + (t * value.stride(0) + h * value.stride(1)) * item,
                     head_bytes);
       }
     }
@@ -805,11 +941,12 @@ std::string isa() { return ATTN_DI_STRINGIFY(ATTN_DI_KERNEL_ISA); }
 
 TORCH_LIBRARY(attn_di, m) {
   m.def(
-      "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, Tensor(a!) out, float scale, int sliding_window, float soft_cap, "
-      "Tensor? alibi_slopes=None, Tensor? sinks=None) -> ()");
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, Tensor(a!) out, float scale, int sliding_window, "
+      "float soft_cap, Tensor? alibi_slopes=None, Tensor? sinks=None) -> ()");
   m.def(
-      "write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+      "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
   m.def("isa() -> str", &attn_di_kernel::isa);
 }
 
