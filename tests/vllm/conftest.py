@@ -70,12 +70,11 @@ def _smollm2() -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _bridge() -> Iterator[None]:
+def _bridge() -> None:
     """The bridge, installed as vLLM's plugin would install it (idempotent)."""
     from attn_di.integrations.vllm import install
 
     install()
-    yield
 
 
 def chat(prompt: str) -> list[dict[str, str]]:

@@ -8,12 +8,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .venv-vllm)")
 
-from pytest_mock import MockerFixture  # noqa: E402
-from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from pytest_mock import MockerFixture
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-import attn_di  # noqa: E402
-from attn_di.integrations.vllm.backends import CPU_ATTN, AttnDIImpl  # noqa: E402
-from tests.vllm.conftest import engine, generate_tokens, layer_impls, remember_reference  # noqa: E402
+import attn_di
+from attn_di.integrations.vllm.backends import CPU_ATTN, AttnDIImpl
+from tests.vllm.conftest import engine, generate_tokens, layer_impls, remember_reference
 
 
 class Spy(CPU_ATTN):

@@ -15,14 +15,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .venv-vllm)")
 
-from vllm.v1.attention.backends.registry import (  # noqa: E402
+from vllm.v1.attention.backends.registry import (
     AttentionBackendEnum,
     register_backend,
 )
 
-import attn_di  # noqa: E402
-from attn_di.integrations.vllm.backends import AttnDIImpl  # noqa: E402
-from tests.vllm.conftest import (  # noqa: E402
+import attn_di
+from attn_di.integrations.vllm.backends import AttnDIImpl
+from tests.vllm.conftest import (
     CPU_ATTN_PATH,
     TORCH_SDPA_PATH,
     chat,
@@ -55,7 +55,7 @@ def test_cpu_attn_generates_vllm_tokens(
 def test_prefix_cache_hits_give_the_same_tokens(cpu_attn_engine: Any) -> None:
     """A prompt longer than a block (128) generated twice: the second run reads the first's
     cached blocks (vLLM's prefix cache, blocks of the shared buffer) and gives the same tokens."""
-    long_prompt = "Summarize: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(60))
+    long_prompt = "Summarize: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))
     first = cpu_attn_engine.chat([chat(long_prompt)], greedy(), use_tqdm=False)[0]
     second = cpu_attn_engine.chat([chat(long_prompt)], greedy(), use_tqdm=False)[0]
     assert len(first.prompt_token_ids) > 256

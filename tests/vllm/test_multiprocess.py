@@ -18,20 +18,19 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .venv-vllm)")
 
-from vllm.v1.attention.backends.registry import (  # noqa: E402
+from vllm.v1.attention.backends.registry import (
     AttentionBackendEnum,
     register_backend,
 )
 
-import attn_di  # noqa: E402
-from tests.vllm.conftest import (  # noqa: E402
+import attn_di
+from tests.vllm.conftest import (
     CPU_ATTN_PATH,
     TORCH_SDPA_PATH,
     attention_impls,
     engine,
     generate_tokens,
 )
-
 
 RUNS = {
     CPU_ATTN_PATH: "attn_di.integrations.vllm.backends.CPU_ATTNImpl runs "

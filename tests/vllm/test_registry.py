@@ -15,23 +15,23 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .venv-vllm)")
 
-import torch  # noqa: E402
-from pytest_mock import MockerFixture  # noqa: E402
-from vllm.v1.attention.backend import AttentionBackend as VllmAttentionBackend  # noqa: E402
-from vllm.v1.attention.backend import AttentionImpl  # noqa: E402
-from vllm.v1.attention.backends import registry  # noqa: E402
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as VllmCPUBackend  # noqa: E402
-from vllm.v1.attention.backends.registry import (  # noqa: E402
+import torch
+from pytest_mock import MockerFixture
+from vllm.v1.attention.backend import AttentionBackend as VllmAttentionBackend
+from vllm.v1.attention.backend import AttentionImpl
+from vllm.v1.attention.backends import registry
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as VllmCPUBackend
+from vllm.v1.attention.backends.registry import (
     AttentionBackendEnum,
     MambaAttentionBackendEnum,
     register_backend,
 )
-from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
+from vllm.v1.attention.selector import AttentionSelectorConfig
 
-import attn_di  # noqa: E402
-from attn_di.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
-from attn_di.exceptions import InvalidBackendNameError  # noqa: E402
-from attn_di.integrations import vllm as bridge  # noqa: E402
+import attn_di
+from attn_di.backends.cpu_attn import CPUAttentionBackend
+from attn_di.exceptions import InvalidBackendNameError
+from attn_di.integrations import vllm as bridge
 
 HERE = __name__
 
@@ -204,7 +204,7 @@ def test_string_name_decorator(case: tuple[Any, bool, str]) -> None:
 
 def test_unknown_name_keeps_vllms_error() -> None:
     """AttentionBackendEnum["NOPE"] is vLLM's ValueError listing the valid names."""
-    with pytest.raises(ValueError, match="Unknown attention backend: 'NOPE'. Valid options are"):
+    with pytest.raises(ValueError, match=r"Unknown attention backend: 'NOPE'\. Valid options are"):
         AttentionBackendEnum["NOPE"]
 
 
@@ -251,10 +251,16 @@ def test_global_override_reaches_vllm_and_ends_exactly() -> None:
     container = attn_di.get_container()
     register_backend(AttentionBackendEnum.CUSTOM, f"{HERE}.CustomAttentionBackend")
     member = AttentionBackendEnum.CUSTOM
-    with pytest.raises(RuntimeError, match="boom"), container.override(member, DecoratedBackend):
-        assert member.get_class() is DecoratedBackend
-        assert member.get_path() == f"{HERE}.DecoratedBackend"
-        raise RuntimeError("boom")
+    seen: list[Any] = []
+
+    def inside() -> None:
+        with container.override(member, DecoratedBackend):
+            seen.extend([member.get_class(), member.get_path()])
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        inside()
+    assert seen == [DecoratedBackend, f"{HERE}.DecoratedBackend"]
     assert member.get_class() is CustomAttentionBackend
     first = container.override(member, DecoratedBackend)
     second = container.override(member, CustomMambaBackend)
@@ -278,7 +284,9 @@ def test_local_override_is_seen_only_in_its_thread() -> None:
         AttentionBackendEnum.CPU_ATTN, DecoratedBackend, local=True
     ):
         assert AttentionBackendEnum.CPU_ATTN.get_class() is DecoratedBackend
-        thread = threading.Thread(target=lambda: seen.append(AttentionBackendEnum.CPU_ATTN.get_class()))
+        thread = threading.Thread(
+            target=lambda: seen.append(AttentionBackendEnum.CPU_ATTN.get_class())
+        )
         thread.start()
         thread.join()
     assert seen == [VllmCPUBackend]
@@ -305,7 +313,9 @@ def test_vllm_only_members_become_runtime_members_when_first_used() -> None:
     first use, valued by vLLM's default path; vLLM members work wherever attn_di takes one."""
     assert "TURBOQUANT" not in attn_di.AttentionBackendEnum.__members__
     container = attn_di.get_container()
-    assert container.get_path(AttentionBackendEnum.TURBOQUANT) == AttentionBackendEnum.TURBOQUANT.value
+    assert (
+        container.get_path(AttentionBackendEnum.TURBOQUANT) == AttentionBackendEnum.TURBOQUANT.value
+    )
     member = attn_di.AttentionBackendEnum.TURBOQUANT
     assert member.is_runtime
     with container.override(AttentionBackendEnum.TURBOQUANT, DecoratedBackend):
@@ -357,9 +367,9 @@ def test_uninstall_leaves_vllm_exactly_as_before() -> None:
         AttentionBackendEnum.register("ALSO_WHILE_INSTALLED", f"{HERE}.CustomMambaBackend")
         bridge.uninstall()
         assert _vllm_state() == before
-        assert registry._ATTN_OVERRIDES == {
+        assert {
             AttentionBackendEnum.CUSTOM: f"{HERE}.CustomAttentionBackend"
-        }
+        } == registry._ATTN_OVERRIDES
         assert attn_di.get_container().registration(attn_di.AttentionBackendEnum.CUSTOM) is None
         registry._ATTN_OVERRIDES.clear()
     finally:

@@ -98,11 +98,12 @@ class _Registrations(MutableMapping[Any, str]):
 
     def __setitem__(self, member: Any, class_path: str) -> None:
         side = self._side
-        if isinstance(member, side.vllm_enum) and side.counterpart(member) is None:
-            if not member.value:  # vLLM's register_backend("NAME") decorator made it valueless
-                attn_di.register_backend(member.name, class_path, side.mamba)
-                side.mirrored.add(member.name)
-                return
+        valueless = isinstance(member, side.vllm_enum) and not member.value
+        if valueless and side.counterpart(member) is None:
+            # vLLM's own register_backend("NAME") decorator made the member without a path.
+            attn_di.register_backend(member.name, class_path, side.mamba)
+            side.mirrored.add(member.name)
+            return
         side.container().register(member, class_path)
 
     def __delitem__(self, member: Any) -> None:

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 __all__ = ["check_engine_config", "install", "record_lookup", "resolve_backend"]
 
 _logger = logging.getLogger(__name__)
+# A child of vLLM's logger: its lines appear among vLLM's (a server's log shows which backend).
+_vllm_logger = logging.getLogger("vllm.attn_di")
 _CACHE_SIZE = 256
 # The get_path() answers given while the platform chose a backend: (side, member, path).
 _lookups: ContextVar[list[tuple[Side, Enum, str]] | None] = ContextVar(
@@ -166,9 +168,39 @@ def resolve_backend(path: str, lookups: list[tuple[Side, Enum, str]]) -> tuple[E
         if answered == path:
             if not side.overridden(member):
                 return member, resolve_obj_by_qualname(path)
-            resolved = side.container().backend(side.counterpart(member))
-            return member, _as_vllm_backend(member.name, resolved)
+            counterpart = side.counterpart(member)
+            resolved = _as_vllm_backend(member.name, side.container().backend(counterpart))
+            _announce(member, resolved, side.container().source(counterpart))
+            return member, resolved
     return None, resolve_obj_by_qualname(path)
+
+
+_announced: set[tuple[str, int, str]] = set()
+
+
+def _announce(member: Enum, resolved: Any, source: str) -> None:
+    """Log, once per member, class and source, what vLLM's member resolves to."""
+    key = (member.name, id(resolved), source)
+    if key in _announced:
+        return
+    _announced.add(key)
+    name = getattr(resolved, "__qualname__", type(resolved).__qualname__)
+    runs = ""
+    attn_di_backend = getattr(resolved, "attn_di_backend", None)
+    if callable(attn_di_backend):
+        try:
+            inner = attn_di_backend()
+            runs = f", running {inner.__module__}.{inner.__qualname__}"
+        except Exception:  # only a log line; building the layer reports the error
+            runs = ""
+    _vllm_logger.info(
+        "attn_di: vLLM's %s resolves to %s.%s (%s in attn_di)%s",
+        member.name,
+        getattr(resolved, "__module__", "?"),
+        name,
+        source,
+        runs,
+    )
 
 
 def _as_vllm_backend(name: str, resolved: Any) -> Any:
