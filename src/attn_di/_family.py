@@ -427,8 +427,8 @@ def register_enum_alias(foreign_enum: type[Enum], native_enum: type[BackendEnum]
         raise InvalidBackendTypeError(
             "foreign_enum", foreign_enum, "another project's enum, not an attn_di enum"
         )
-    family = family_of(native_enum) if isinstance(native_enum, type) else None
-    if family is None or family.enum is not native_enum:
+    family = _FAMILIES.get(native_enum) if isinstance(native_enum, type) else None
+    if family is None:
         raise InvalidBackendTypeError(
             "native_enum", native_enum, "an attn_di backend enum (AttentionBackendEnum, ...)"
         )

@@ -22,7 +22,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,3 +156,20 @@ def _vllm_reference_tokens(smollm2: Path) -> list[list[int]]:
             }
             _REFERENCE["float32"] = generate_tokens(llm)
     return _REFERENCE["float32"]
+
+
+def attention_impls(model: Any) -> list[str]:
+    """``module.Impl`` (and the attn_di backend it runs) of a model's attention layers; run in
+    vLLM's worker through ``llm.apply_model`` (a module-level function, pickled by name)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    found = set()
+    for module in model.modules():
+        if isinstance(module, Attention):
+            impl = module.impl
+            runs = getattr(impl, "attn_di_backend", None)
+            found.add(
+                f"{type(impl).__module__}.{type(impl).__qualname__}"
+                + (f" runs {runs.__module__}.{runs.__qualname__}" if runs is not None else "")
+            )
+    return sorted(found)
