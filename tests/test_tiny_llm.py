@@ -112,9 +112,18 @@ def test_override_reaches_the_engine_and_forward_runs_per_layer_per_step(
 
 
 def test_generate_script() -> None:
-    """generate.py prints the backend, the tokens per prompt and the per-token latency."""
+    """generate.py prints the backend, the tokens per prompt, the check against the float64
+    reference path (--check) and the per-token latency."""
     result = subprocess.run(
-        [sys.executable, str(EXAMPLE / "generate.py"), "--backend", "auto", "--tokens", "4"],
+        [
+            sys.executable,
+            str(EXAMPLE / "generate.py"),
+            "--backend",
+            "auto",
+            "--tokens",
+            "4",
+            "--check",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -123,6 +132,10 @@ def test_generate_script() -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith("backend: CPU_ATTN (attn_di.backends.cpu_attn.CPUAttentionBackend")
     assert sum(line.startswith("prompt ") for line in lines) == 3
+    assert lines[-2] == (
+        "check: the tokens equal the float64 reference path's (same weights in float64, "
+        "attention by attn_di.reference): yes"
+    )
     assert "ms per token" in lines[-1]
 
 

@@ -71,9 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--tokens", type=int, default=24, help="new tokens to generate")
     parser.add_argument("--backend", default="auto", help="auto or a backend name")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.tokens < 1:
         parser.error("--tokens must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
     register()
     try:
         name = implementation_name(args.backend)

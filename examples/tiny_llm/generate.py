@@ -1,9 +1,13 @@
 """Generate with the tiny model through the selected (injected) attention backend.
 
-Run: ``python examples/tiny_llm/generate.py --backend auto --tokens 32``.
-Prints the generated token ids per prompt, the backend used and the per-token latency, with
-the torch thread count and the load average (a busy machine makes timings noisy: on one, use
-``--threads 1``).
+Run: ``python examples/tiny_llm/generate.py --backend auto --tokens 32 [--check]``.
+The model's weights are random (seeded by ``--seed``), so the token ids it prints mean
+nothing as text: what they show is that a paged-attention engine runs end to end on the
+backend attn_di selected and injected. ``--check`` also generates with the float64 reference
+path (the same weights in float64, every attention call through ``attn_di.reference``) and
+exits 1 unless the tokens are equal. Prints the backend used and the per-token latency, with
+the torch thread count and the load average (without ``--threads``, a busy machine gets a
+warning: timings will be noisy).
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (None: one per core)"
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="compare the tokens with the float64 reference path's (exit 1 if they differ)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
@@ -66,6 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"backend: {selection.backend.name} ({selection.path}, {selection.origin})")
     for prompt, tokens in zip(PROMPTS, result.tokens, strict=True):
         print(f"prompt {prompt} -> {tokens}")
+    if args.check:
+        reference = _reference_tokens(args.seed, args.tokens)
+        same = reference == result.tokens
+        print(
+            "check: the tokens equal the float64 reference path's (same weights in float64, "
+            f"attention by attn_di.reference): {'yes' if same else 'NO'}"
+        )
+        if not same:
+            for prompt, tokens in zip(PROMPTS, reference, strict=True):
+                print(f"reference {prompt} -> {tokens}")
+            return 1
     if result.decode_s:
         per_token = statistics.median(result.decode_s) * 1e3
         print(
@@ -76,8 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _reference_tokens(seed: int, tokens: int) -> list[list[int]]:
+    """The float64 reference path's tokens: the same seeded weights, reference attention."""
+    from reference_backend import ReferenceBackend
+
+    engine = Engine(ModelConfig(dtype="float64", seed=seed), backend_cls=ReferenceBackend)
+    return engine.generate(PROMPTS, tokens).tokens
+
+
 def _threads_and_load(threads: int | None) -> tuple[int, float]:
-    """Apply ``--threads``; warn on stderr when the machine is busy (timings will be noisy)."""
+    """Apply ``--threads``; without it, warn on stderr when the machine is busy (timings will
+    be noisy)."""
     import torch
 
     if threads is not None:
@@ -85,7 +114,7 @@ def _threads_and_load(threads: int | None) -> tuple[int, float]:
     cpus = os.cpu_count() or 1
     load = os.getloadavg()[0]
     used = torch.get_num_threads()
-    if load + used > 1.25 * cpus and load > 0.5 * cpus:
+    if threads is None and load + used > 1.25 * cpus and load > 0.5 * cpus:
         advice = "; try --threads 1" if used > 1 else ""
         print(
             f"generate.py: warning: this machine is busy (load average {load:.2f} on {cpus} "

@@ -42,12 +42,14 @@ from attn_di.exceptions import (
     InvalidBackendTypeError,
     UnexportableBackendError,
     UnexportableBackendWarning,
+    UnknownBackendError,
 )
 
 __all__ = ["SELECTION_HOOKS", "BackendContainer", "BackendKey", "MambaBackendContainer"]
 
 BackendKey = BackendEnum | str
-"""A member (of either enum), or an attention member's exact name."""
+"""A member (of either enum), or an attention member's name (any case; ``-`` or a space for
+``_``; the exact name wins)."""
 
 SELECTION_HOOKS: dict[str, Callable[..., Any]] = {}
 """``"candidates"`` and ``"select"``: installed by :mod:`attn_di._default` (they load
@@ -81,6 +83,10 @@ class _ContainerAPI:
     def backend(self, member: BackendKey) -> type[Any]:
         """The backend class for ``member`` (a member or its name), imported on first use.
 
+        Names follow the name rule (``"CPU_ATTN"``, ``"cpu_attn"``, ``"cpu-attn"``; the exact
+        name wins); the warm path (a member, or an exact name, already resolved) is one dict
+        lookup.
+
         Raises:
             UnknownBackendError: no such member (lists the valid names, suggests one).
             BackendNotRegisteredError: the member has no path (CUSTOM before registration).
@@ -99,8 +105,10 @@ class _ContainerAPI:
     def provider(self, member: BackendKey | BackendProvider) -> BackendProvider:
         """The :class:`BackendProvider` of ``member`` in this container.
 
-        ``member`` may be a member of either enum, a name of this container's enum, or a
-        provider (``BackendContainer.CUSTOM``): its member is used.
+        ``member`` may be a member of either enum, a name of this container's enum (as typed:
+        ``"cpu_attn"``, ``"torch sdpa"``; the exact name wins, see
+        :meth:`~attn_di._family.BackendFamily.find`), or a provider
+        (``BackendContainer.CUSTOM``): its member is used.
 
         Raises:
             UnknownBackendError: no such member.
@@ -129,12 +137,19 @@ class _ContainerAPI:
             raise InvalidBackendTypeError(
                 "member", member, f"an {self.family.enum.__name__} member or its name"
             )
+        found = self.family.find(member)  # the name rule, only on a miss of the exact name
+        if found is not None:
+            return self.provider(found)
         error = self.family.unknown(member)
         for family in self._subs:
-            if member in family.enum._member_map_:
+            try:
+                other = family.find(member)
+            except UnknownBackendError:  # several Mamba members differ only by case
+                other = None
+            if other is not None:
                 error.hint = (
-                    f"{member} is a {family.enum.__name__} member: pass "
-                    f"{family.enum.__name__}.{member}, or use container.{family.key}"
+                    f"{other.name} is a {family.enum.__name__} member: pass "
+                    f"{family.enum.__name__}.{other.name}, or use container.{family.key}"
                 )
         raise error
 

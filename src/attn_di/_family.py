@@ -42,12 +42,14 @@ __all__ = [
     "on_member_added",
     "on_member_removed",
     "register_enum_alias",
+    "spelling",
     "unregister_enum_alias",
 ]
 
 _E = TypeVar("_E", bound="BackendEnum")
 _local_layers = LOCAL_LAYERS.get  # bound once: the warm path of get_class() calls it
 _FAMILIES: dict[type[Any], BackendFamily] = {}
+_SEPARATORS = re.compile(r"[\s-]+")
 _new_listeners: list[Callable[[BackendEnum], None]] = []
 _removed_listeners: list[Callable[[BackendEnum], None]] = []
 # Another project's enum class -> the family whose members its members stand for.
@@ -203,7 +205,8 @@ class BackendFamily:
         return [m for m in self.members() if m._name_ not in self.builtin]
 
     def lookup(self, key: object) -> Any:
-        """The member for a member of this enum or its exact name.
+        """The member for a member of this enum or its exact name (pickles, vLLM's
+        ``Enum["X"]`` semantics); :meth:`find` reads the spellings users type.
 
         Raises:
             UnknownBackendError: anything else (a ValueError), with the closest name.
@@ -216,9 +219,42 @@ class BackendFamily:
             raise self.unknown(key)
         return member
 
+    def find(self, name: str) -> Any:
+        """The member a name as typed by a user spells, or None: the name rule.
+
+        The exact name wins; otherwise :func:`spelling` (surrounding spaces dropped, inner
+        spaces and hyphens read as ``_``) is matched exactly, then case-insensitively. So
+        ``"cpu_attn"``, ``"CPU-ATTN"`` and ``"torch sdpa"`` find their members, and runtime
+        members differing only by case (``"Mine"``, ``"MINE"``) stay reachable by their exact
+        names.
+
+        Raises:
+            UnknownBackendError: the spelling matches several members that differ only by
+                case (the hint names them: give the exact name).
+        """
+        members = self.enum._member_map_
+        member = members.get(name)
+        if member is not None:
+            return member
+        text = spelling(name)
+        member = members.get(text)
+        if member is not None:
+            return member
+        folded = text.upper()
+        matches = [m for key, m in tuple(members.items()) if key.upper() == folded]
+        if len(matches) > 1:
+            error = self.unknown(name)
+            error.suggestion = None
+            error.hint = (
+                f"{name!r} matches {', '.join(repr(m._name_) for m in matches)}, which differ "
+                "only by case: give the exact name"
+            )
+            raise error
+        return matches[0] if matches else None
+
     def parse(self, name: object) -> Any:
-        """Parse a name as typed by a user: case-insensitive, spaces and hyphens read as ``_``;
-        ``None``, ``""`` and ``"auto"`` give None; a member is returned as is.
+        """Parse a name as typed by a user (the name rule of :meth:`find`); ``None``, ``""``
+        and ``"auto"`` (any case) give None; a member is returned as is.
 
         Raises:
             UnknownBackendError: an unknown name, with the closest suggestion.
@@ -231,14 +267,9 @@ class BackendFamily:
             raise InvalidBackendTypeError(
                 "backend", name, f"a backend name or a {self.enum.__name__} member"
             )
-        text = re.sub(r"[\s-]+", "_", name.strip())  # "torch sdpa", "torch-sdpa" -> TORCH_SDPA
-        if text.lower() in ("", "auto"):
+        if spelling(name).lower() in ("", "auto"):
             return None
-        members = dict(self.enum._member_map_)
-        member = members.get(text) or members.get(text.upper())
-        if member is None:
-            by_upper = {key.upper(): value for key, value in members.items()}
-            member = by_upper.get(text.upper())
+        member = self.find(name)
         if member is None:
             raise self.unknown(name, extra=("auto",))
         return member
@@ -359,6 +390,12 @@ class BackendFamily:
 
     def __repr__(self) -> str:
         return f"<BackendFamily {self.key}: {self.enum.__name__}>"
+
+
+def spelling(name: str) -> str:
+    """``name`` as the name rule reads it: surrounding spaces dropped, inner runs of spaces
+    and hyphens read as one ``_`` (``" torch-sdpa "`` -> ``"torch_sdpa"``); case is kept."""
+    return _SEPARATORS.sub("_", name.strip())
 
 
 def family_of(enum_or_member: object) -> BackendFamily:

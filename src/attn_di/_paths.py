@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any
 
-from attn_di.exceptions import BackendImportError, InvalidClassPathError
+from attn_di.exceptions import BackendImportError, InvalidClassPathError, closest_name
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
@@ -84,8 +84,9 @@ def import_class_path(class_path: str, member: str) -> Any:
                     first_missing = first_missing or exc
                     break
                 raise BackendImportError(
-                    member, class_path, BackendImportError.MODULE_FAILED, f"{exc}"
-                ) from exc
+                    member, class_path, BackendImportError.MODULE_FAILED, f"{exc}",
+                    missing_module=exc.name,
+                ) from exc  # fmt: skip
             first_missing = first_missing or exc
             continue
         except Exception as exc:
@@ -99,7 +100,11 @@ def import_class_path(class_path: str, member: str) -> Any:
         return _getattr_chain(module, attrs, class_path, member)
     assert first_missing is not None
     raise BackendImportError(
-        member, class_path, BackendImportError.MODULE_NOT_FOUND, str(first_missing)
+        member,
+        class_path,
+        BackendImportError.MODULE_NOT_FOUND,
+        str(first_missing),
+        missing_module=first_missing.name,
     ) from first_missing
 
 
@@ -130,14 +135,11 @@ def _getattr_chain(module: Any, attrs: list[str], class_path: str, member: str) 
             target = getattr(target, attr)
         except AttributeError as exc:
             names = [name for name in dir(target) if not name.startswith("_")]
-            import difflib  # only on error paths: keeps `import attn_di` light
-
-            close = difflib.get_close_matches(attr, names, n=1, cutoff=0.6)
             raise BackendImportError(
                 member,
                 class_path,
                 BackendImportError.ATTRIBUTE_NOT_FOUND,
                 f"{getattr(target, '__name__', target)!s} has no attribute {attr!r}",
-                close[0] if close else None,
+                closest_name(attr, names),
             ) from exc
     return target

@@ -31,6 +31,7 @@ from attn_di._device import Device, parse_device
 from attn_di._enum import AttentionBackendEnum, parse_backend_name
 from attn_di.exceptions import (
     AttnDIError,
+    BackendImportError,
     BackendRejectedError,
     InvalidBackendTypeError,
     InvalidInputError,
@@ -483,7 +484,16 @@ def _select_requested(
     backend_cls, reasons = _check(container, member, config, device)
     if backend_cls is None:
         logger.debug("forced backend %s (%s) rejected: %s", member.name, origin, reasons)
-        raise BackendRejectedError(member.name, reasons, origin, config, str(device))
+        error = BackendRejectedError(member.name, reasons, origin, config, str(device))
+        try:  # an import failure: its own error says what to fix (the closest class name)
+            container.backend(member)
+        except BackendImportError as exc:
+            if exc.suggestion:
+                error.hint = f"{exc.hint} ({exc.fixed_path()})"
+            raise error from exc
+        except AttnDIError as exc:
+            raise error from exc
+        raise error
     logger.debug("selected %s (%s) for %r on %s", member.name, origin, config, device)
     return Selection(member, backend_cls, container.get_path(member), {}, origin, config, device)
 

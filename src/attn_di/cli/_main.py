@@ -20,6 +20,7 @@ from attn_di.cli._output import print_error
 from attn_di.exceptions import (
     ALL_BACKENDS_COMMAND,
     AttnDIError,
+    BackendImportError,
     BackendRejectedError,
     InvalidInputError,
     NoValidBackendError,
@@ -68,11 +69,29 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         hint = f"see `{self.prog} --help`"
         unknown = _first_unknown_option(self, self.given, message)
+        invalid = _INVALID_CHOICE.search(message)
         if unknown is not None:
             message = f"unrecognized arguments: {unknown}"
             hint = _unknown_option_hint(self, unknown, self.given)
+        elif invalid is not None:  # an unknown command, or a value outside an option's choices
+            choices = re.findall(r"'([^']*)'", invalid.group("choices"))
+            close = closest_name(invalid.group("value"), choices)
+            if invalid.group("argument") == _COMMAND:
+                message = (
+                    f"unknown command {invalid.group('value')!r} (choose from {', '.join(choices)})"
+                )
+                if close is not None:
+                    hint = f"did you mean `{self.prog} {close}`? see `{self.prog} --help`"
+            elif close is not None:
+                hint = f"did you mean {close!r}? see `{self.prog} --help`"
         print_error(message, hint)
         sys.exit(EXIT_USAGE)
+
+
+_INVALID_CHOICE = re.compile(
+    r"argument (?P<argument>\S+): invalid choice: '(?P<value>[^']*)' "
+    r"\(choose from (?P<choices>.*)\)"
+)
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -108,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     listing = add_command("list", "every backend, where it comes from, if it imports")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.add_argument(
+        "--wide",
+        action="store_true",
+        help="the table as wide as its cells, with whole error messages "
+        "(default: it fits 100 columns, paths wrapped)",
+    )
 
     select = add_command("select", "which backend a configuration gets, and why")
     _add_config_arguments(select)
@@ -197,6 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')} asked for it: unset "
                 f"{BACKEND_ENV} to let attn_di choose, or set it to a backend that runs here"
             )
+        elif isinstance(exc.__cause__, BackendImportError) and exc.__cause__.suggestion:
+            cause = exc.__cause__
+            hint = f"did you mean {cause.suggestion!r}? ({cause.fixed_path()})"
         elif any("must be registered before use" in reason for reason in exc.reasons):
             hint = (
                 f"register a class for it in this run: --register {exc.member}=pkg.module:Class "

@@ -10,8 +10,25 @@ from typing import Any
 __all__ = ["exit_if_command", "print_error", "print_json", "print_table"]
 
 
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A table: rich's on a terminal, aligned plain text otherwise (pipes, files, CI logs)."""
+TABLE_WIDTH = 100
+"""Columns a plain table fits by default (``attn-di list --wide``: no limit)."""
+
+
+def print_table(
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    *,
+    width: int | None = None,
+    wrap: Sequence[int] = (),
+) -> None:
+    """A table: rich's on a terminal, aligned plain text otherwise (pipes, files, CI logs).
+
+    Args:
+        width: the plain table's width in characters; None: as wide as its cells.
+        wrap: the columns (indices) that wrap, at dots, colons and spaces, to fit ``width``;
+            the others keep their widths.
+    """
     if sys.stdout.isatty() and _rich_available():
         from rich.console import Console
         from rich.table import Table
@@ -21,19 +38,58 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
             table.add_column(column, overflow="fold")
         for row in rows:
             table.add_row(*(str(cell) for cell in row))
-        Console().print(table)
+        Console(width=width).print(table)
         return
     text_rows = [[str(cell) for cell in row] for row in rows]
     widths = [
         max([len(column), *(len(row[i]) for row in text_rows)]) for i, column in enumerate(columns)
     ]
+    if width is not None:
+        widths = _fit(widths, [len(column) for column in columns], wrap, width)
     print(title)
-    header = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))
-    print(header.rstrip())
+    print(_line(columns, widths))
     for row in text_rows:
-        print(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )
+        cells = [
+            _wrap(cell, w) if i in wrap else [cell]
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        for depth in range(max(len(lines) for lines in cells)):
+            print(_line([lines[depth] if depth < len(lines) else "" for lines in cells], widths))
+
+
+def _line(cells: Sequence[str], widths: Sequence[int]) -> str:
+    return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip()
+
+
+def _fit(widths: list[int], minimum: list[int], wrap: Sequence[int], width: int) -> list[int]:
+    """Narrow the ``wrap`` columns (the narrowest keeps its width first) so the row fits."""
+    free = width - 2 * (len(widths) - 1) - sum(w for i, w in enumerate(widths) if i not in wrap)
+    fitted = list(widths)
+    left = sorted(wrap, key=lambda i: widths[i])
+    for position, index in enumerate(left):
+        share = free // (len(left) - position)
+        fitted[index] = max(min(widths[index], share), minimum[index])
+        free -= fitted[index]
+    return fitted
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width``, broken after dots, colons and spaces (a dotted
+    path stays readable); a longer piece is cut."""
+    import re
+
+    lines = [""]
+    for piece in re.findall(r"[^.: ]*[.: ]|[^.: ]+$", text):
+        if len(lines[-1]) + len(piece.rstrip()) > width and lines[-1]:
+            lines[-1] = lines[-1].rstrip()
+            lines.append("")
+        while len(lines[-1]) + len(piece) > width and len(piece.rstrip()) > width:
+            cut = width - len(lines[-1])
+            lines[-1] += piece[:cut]
+            piece = piece[cut:]
+            lines.append("")
+        lines[-1] += piece
+    return [line.rstrip() for line in lines if line.strip()] or [""]
 
 
 def _rich_available() -> bool:

@@ -31,8 +31,13 @@ from attn_di._selection import (
 )
 from attn_di.cli._list import describe_cpu_attn_decode
 from attn_di.cli._main import RUN_DEFAULTS
-from attn_di.cli._output import print_json, print_table
-from attn_di.exceptions import AttnDIError, BackendRejectedError, InvalidInputError
+from attn_di.cli._output import TABLE_WIDTH, print_json, print_table
+from attn_di.exceptions import (
+    AttnDIError,
+    BackendRejectedError,
+    InvalidInputError,
+    install_hint,
+)
 
 __all__ = ["TOLERANCES", "MemoryEstimate", "estimate_memory", "run_batch"]
 
@@ -66,9 +71,7 @@ def run_batch(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError as exc:
-        raise InvalidInputError(
-            "attn-di run", "needs torch", hint="pip install torch==2.13.0 'attn_di[torch]'"
-        ) from exc
+        raise InvalidInputError("attn-di run", "needs torch", hint=install_hint("torch")) from exc
     config = AttentionSelectorConfig(
         head_size=args.head_size, dtype=dtype, block_size=args.block_size
     )
@@ -245,10 +248,12 @@ def _gigabytes(size: int) -> str:
 
 
 def _machine(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
-    """Apply ``--threads``; report threads, CPUs and the load average; warn on a busy machine.
+    """Apply ``--threads``; report threads, CPUs and the load average; without ``--threads``,
+    warn on a busy machine.
 
     Under contention torch's default (one thread per core) makes timings swing by orders of
-    magnitude: the warning names ``--threads 1``.
+    magnitude: the warning names ``--threads 1``. A caller that chose its threads (as
+    ``scripts/main.sh`` does, from the idle cores) is not warned about its own choice.
     """
     import os
     import sys
@@ -262,7 +267,7 @@ def _machine(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     busy = load is not None and load + threads > cpus * 1.25 and load > 0.5 * cpus
-    if busy:
+    if busy and args.threads is None:
         print(
             f"attn-di: warning: this machine is busy (load average {load:.2f} on {cpus} CPUs, "
             f"{threads} torch thread(s)): timings will be noisy"
@@ -479,8 +484,11 @@ def _print_results(
         if "module not found" in reason:
             reason = "not installed here (module not found)"
         by_reason.setdefault(reason, []).append(name)
+    import textwrap
+
     for reason, names in by_reason.items():
-        print(f"skipped {', '.join(names)}: {reason}")
+        line = f"skipped {', '.join(names)}: {reason}"
+        print(textwrap.fill(line, TABLE_WIDTH, subsequent_indent="  ", break_on_hyphens=False))
 
 
 class _Progress:

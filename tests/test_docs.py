@@ -1,0 +1,182 @@
+"""The documentation as tested code: README.md and every page under docs/.
+
+Every ```` ```python ```` block runs as written (pytest-markdown-docs, with the runners of
+tests/docs_plugin.py); a block that does not run is marked ``notest`` and introduced as a
+sketch; blocks marked ``vllm`` run in the vLLM suite instead. The site builds with
+``mkdocs build --strict`` and its API reference names every public name of attn_di.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from markdown_it import MarkdownIt
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+SITE_ENV = "ATTN_DI_DOCS_SITE"
+"""scripts/check.sh builds the site once (strict) and names it here, so the tests read it
+instead of building it again; unset, the tests build their own."""
+
+
+def _python_fences(page: Path) -> list[tuple[list[str], str]]:
+    """``(info words, text before the block)`` of every Python fence of ``page``."""
+    tokens = MarkdownIt("commonmark").parse(page.read_text())
+    found = []
+    for index, token in enumerate(tokens):
+        words = token.info.split()
+        if token.type == "fence" and words[:1] == ["python"]:
+            before = " ".join(t.content for t in tokens[max(0, index - 4) : index])
+            found.append((words, before))
+    return found
+
+
+def _relative(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def test_every_python_block_of_every_page_runs() -> None:
+    """pytest --markdown-docs runs each ```python block of README.md and docs/ (scripts and
+    test modules included); the ``vllm`` ones are skipped, every other one passes."""
+    pages = [page for page in PAGES if _python_fences(page)]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--markdown-docs", "-p", "tests.docs_plugin",
+         "-p", "no:cacheprovider", "-q", *map(_relative, pages)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-20000:] + result.stderr
+    fences = [words for page in pages for words, _ in _python_fences(page)]
+    runnable = [words for words in fences if "notest" not in words]
+    vllm = [words for words in runnable if "vllm" in words]
+    assert len(runnable) - len(vllm) >= 25
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.search(rf"\b{len(runnable) - len(vllm)} passed\b", summary), summary
+    if vllm:
+        assert re.search(rf"\b{len(vllm)} skipped\b", summary), summary
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_relative)
+def test_blocks_that_do_not_run_are_marked_as_sketches(page: Path) -> None:
+    """A ```python notest block is introduced as a sketch in the text right before it."""
+    for words, before in _python_fences(page):
+        if "notest" in words:
+            assert "sketch" in before.lower(), before
+
+
+def test_the_readme_is_a_front_page() -> None:
+    """README.md: at most ~200 lines, its first code block the two set-up commands, links to
+    LICENSE, CHANGELOG.md, CONTRIBUTING.md and the docs, each of which exists."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 210
+    tokens = MarkdownIt("commonmark").parse(text)
+    first = next(token for token in tokens if token.type == "fence")
+    commands = [line.split("#")[0].strip() for line in first.content.splitlines()]
+    assert commands == ["bash scripts/main.sh", "bash scripts/check.sh"]
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    for name in ("LICENSE", "CHANGELOG.md", "CONTRIBUTING.md"):
+        assert name in local
+    assert any(link.startswith("docs/") for link in local)
+    assert [link for link in local if not (ROOT / link).exists()] == []
+
+
+def test_readme_prose_is_written_for_any_user() -> None:
+    """No page speaks of "these machines" or "the dev machine"."""
+    for page in PAGES:
+        text = page.read_text().lower()
+        for phrase in ("these machines", "dev machine", "this machine's defaults"):
+            assert phrase not in text, f"{_relative(page)}: {phrase!r}"
+
+
+# -- the site ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", name="site")
+def _site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built site: the one scripts/check.sh built, or one built now with --strict."""
+    given = os.environ.get(SITE_ENV)
+    if given:
+        return Path(given)
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("the docs extra is not installed: pip install -e '.[docs]'")
+    site = tmp_path_factory.mktemp("site")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "WARNING" not in result.stderr, result.stderr
+    return site
+
+
+def _all(module: str) -> list[str]:
+    """``module.__all__``, read from the source (nothing imported: vLLM need not be here)."""
+    parts = module.split(".")
+    path = SRC.joinpath(*parts)
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+        ):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{module} has no __all__")
+
+
+def _public_modules(package: str) -> list[str]:
+    directory = SRC.joinpath(*package.split("."))
+    return sorted(
+        f"{package}.{path.stem if path.is_file() else path.name}"
+        for path in directory.iterdir()
+        if not path.name.startswith(("_", "."))
+        and (path.suffix == ".py" or (path / "__init__.py").exists())
+    )
+
+
+PUBLIC_MODULES = [
+    "attn_di",
+    "attn_di.backend",
+    *_public_modules("attn_di.backends"),
+    *_public_modules("attn_di.integrations"),
+    "attn_di.reference",
+    "attn_di.exceptions",
+    "attn_di.pytest_plugin",
+]
+
+
+def test_the_public_modules_are_found() -> None:
+    """The reference covers the four backends and the transformers integration at least."""
+    assert {
+        "attn_di.backends.cpu_attn",
+        "attn_di.backends.torch_sdpa",
+        "attn_di.backends.flex_attention",
+        "attn_di.backends.no_attention",
+        "attn_di.integrations.transformers",
+    } <= set(PUBLIC_MODULES)
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_every_public_name_is_on_the_api_reference(site: Path, module: str) -> None:
+    """Each name of each public module's ``__all__`` has its entry (an anchor named by its
+    full path) on the API reference pages."""
+    html = "\n".join(page.read_text() for page in (site / "reference").rglob("*.html"))
+    anchors = set(re.findall(r'id="([\w.]+)"', html))
+    missing = [name for name in _all(module) if f"{module}.{name}" not in anchors]
+    assert missing == []
+
+
+def test_the_cli_reference_is_the_generated_help(site: Path) -> None:
+    """The CLI page holds each command's --help, generated at build time."""
+    page = (site / "reference" / "cli" / "index.html").read_text()
+    for command in ("attn-di", "attn-di list", "attn-di select", "attn-di run"):
+        assert f"{command} --help" in page
+    assert "usage: attn-di run" in page
+    assert "--wide" in page
