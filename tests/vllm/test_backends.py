@@ -211,6 +211,25 @@ def test_forward_on_vllms_cache_matches_the_reference(
     assert torch.equal(caches[0].isnan(), other_before.isnan())
 
 
+def test_flex_attention_on_vllms_cache_matches_the_reference() -> None:
+    """FLEX_ATTENTION (torch's flex_attention, slow in eager mode: one small case) gives the
+    reference's output on vLLM's cache view."""
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=32, sliding_window=9)
+    batch = make_batch(opts, [5, 1], [5, 37], 16, torch.float32)
+    caches = vllm_caches(
+        KVCacheLayout.LBNHC, int(batch.kv_cache.shape[1]), 16, 2, 32, torch.float32
+    )
+    kv_cache_view(caches[0]).copy_(batch.kv_cache)
+    metadata = builder(16).build(0, common_metadata(batch.metadata, 0))
+    impl = FLEX_ATTENTION.get_impl_cls()(
+        4, 32, opts.scale, 2, None, 9, "auto", None, "decoder", None
+    )
+    output = torch.empty(6, 4, 32)
+    impl.forward(None, batch.query, batch.key, batch.value, caches[0], metadata, output=output)
+    expected = reference_attention(opts, batch)
+    torch.testing.assert_close(output.reshape(6, -1).double(), expected, atol=2e-4, rtol=2e-4)
+
+
 def test_a_layer_feature_the_backend_lacks_is_refused_when_the_layer_is_built() -> None:
     """attn_di's TORCH_SDPA has no soft cap: vLLM's layer construction raises attn_di's
     UnsupportedFeatureError naming the feature and the backends that have it."""

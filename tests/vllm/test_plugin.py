@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .venv-vllm)")
 
-from tests.vllm.conftest import CPU_ATTN_PATH  # noqa: E402
+from tests.vllm.conftest import CPU_ATTN_PATH
 
 PROBE = """
 import json
