@@ -327,6 +327,16 @@ def test_vllm_only_members_become_runtime_members_when_first_used() -> None:
     )
 
 
+def test_a_propagated_registration_of_a_vllm_only_member_is_seen_by_vllm() -> None:
+    """In a worker, ATTN_DI_REGISTRATIONS recreates a registered vLLM-only member as an attn_di
+    runtime member valued by the registered path: vLLM's member resolves to that path."""
+    snapshot = {"TURBOQUANT": f"{HERE}.CustomAttentionBackend"}
+    attn_di.get_container().apply_registrations(snapshot)  # what import attn_di does there
+    assert AttentionBackendEnum.TURBOQUANT.is_overridden()
+    assert AttentionBackendEnum.TURBOQUANT.get_path() == f"{HERE}.CustomAttentionBackend"
+    assert AttentionBackendEnum.TURBOQUANT.get_class() is CustomAttentionBackend
+
+
 def test_attn_di_runtime_members_appear_in_vllms_enum() -> None:
     """attn_di.register_backend("NAME", path) gives vLLM's enum the member too; removing the
     attn_di member (the test fixture does) removes vLLM's."""

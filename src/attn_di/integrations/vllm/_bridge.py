@@ -74,9 +74,17 @@ class Side:
         return None if member is None else self.container().provider(member)
 
     def overridden(self, vllm_member: Enum) -> bool:
-        """Whether attn_di holds a registration or an override for ``vllm_member`` here."""
-        provider = self.provider(vllm_member)
-        return provider is not None and bool(provider.is_overridden())
+        """Whether attn_di holds a registration or an override for ``vllm_member`` here.
+
+        Also when attn_di's member is a runtime member valued by another path than vLLM's
+        default: that is how a registration of a vLLM-only member reaches a worker
+        (``ATTN_DI_REGISTRATIONS`` recreates it there as a runtime member of that value)."""
+        member = self.counterpart(vllm_member)
+        if member is None:
+            return False
+        if self.container().is_overridden(member):
+            return True
+        return bool(member.is_runtime and member.default_path != (vllm_member.value or None))
 
 
 class _Registrations(MutableMapping[Any, str]):
@@ -212,22 +220,25 @@ def install() -> None:
     with _lock:
         if _installation is not None:
             return
-        state = _Installation()
-        for side in state.sides:
-            attn_di.register_enum_alias(side.vllm_enum, side.attn_di_enum)
-            _migrate(state, side)
-            _patch_enum(side)
-            setattr(registry, side.overrides_attr, _Registrations(side))
-        registry.register_backend = register_backend
-        state.undo.append(attn_di.on_member_added(_mirror_added))
-        state.undo.append(attn_di.on_member_removed(_mirror_removed))
-        from attn_di.integrations.vllm import _selector
+        state = _installation = _Installation()
+        try:
+            for side in state.sides:
+                attn_di.register_enum_alias(side.vllm_enum, side.attn_di_enum)
+                _migrate(state, side)
+                _patch_enum(side)
+                setattr(registry, side.overrides_attr, _Registrations(side))
+            registry.register_backend = register_backend
+            state.undo.append(attn_di.on_member_added(_mirror_added))
+            state.undo.append(attn_di.on_member_removed(_mirror_removed))
+            from attn_di.integrations.vllm import _selector
 
-        state.undo.append(_selector.install())
-        _installation = state
-        for side in state.sides:
-            for member in side.attn_di_enum:
-                _mirror_added(member)
+            state.undo.append(_selector.install())
+            for side in state.sides:
+                for member in side.attn_di_enum:
+                    _mirror_added(member)
+        except BaseException:
+            uninstall()  # what was done so far, undone: vLLM as it was
+            raise
 
 
 def uninstall() -> None:
@@ -292,9 +303,8 @@ def _patch_enum(side: Side) -> None:
     from attn_di.integrations.vllm._selector import record_lookup
 
     def get_path(self: Enum, include_classname: bool = True) -> str:
-        provider = side.provider(self)
-        if provider is not None and provider.is_overridden():
-            path = str(provider.get_path(include_classname))
+        if side.overridden(self):
+            path = str(side.container().get_path(side.counterpart(self), include_classname))
         else:
             path = vllm_get_path(self, include_classname)
         record_lookup(side, self, path)
