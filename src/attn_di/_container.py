@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 from dependency_injector import containers, providers
 
 from attn_di._enum import ATTENTION, MAMBA, AttentionBackendEnum, MambaAttentionBackendEnum
-from attn_di._family import BackendEnum, BackendFamily, family_of, on_new_member, on_removed_member
+from attn_di._family import (
+    BackendEnum,
+    BackendFamily,
+    family_of,
+    native_member,
+    on_member_added,
+    on_member_removed,
+)
 from attn_di._overrides import BackendOverride, ContainerOverride, override_target
 from attn_di._paths import check_class_path, resolves_to
 from attn_di._provider import BackendProvider, Layer, Target
@@ -121,6 +128,9 @@ class _ContainerAPI:
             pass
         if isinstance(member, BackendProvider):
             return self.provider(member.member)
+        native = native_member(member)  # another project's member (register_enum_alias)
+        if native is not member:
+            return self.provider(native)
         if isinstance(member, BackendEnum):
             family = family_of(member)
             sub = self._subs.get(family)
@@ -159,6 +169,20 @@ class _ContainerAPI:
         """True while a registration or an override of ``member`` is active here."""
         return self.provider(member).is_overridden()
 
+    def registration(self, member: BackendKey) -> str | None:
+        """The dotted path registered for ``member`` here, or None.
+
+        Only the registration (``register_backend``, an ``attn_di.plugins`` entry point,
+        ``ATTN_DI_REGISTRATIONS``); override blocks are not registrations. A class registered
+        directly gives its ``module.qualname``. A runtime member created by a registration
+        has one until ``clear_override()``.
+
+        Raises:
+            UnknownBackendError: no such member.
+        """
+        target = self.provider(member).registered_target
+        return None if target is None else target.path
+
     def source(self, member: BackendKey) -> str:
         """Where ``member``'s class comes from: "local override", "override", "registered",
         "plugin" (registered by an ``attn_di.plugins`` entry point), "default", "di override"
@@ -184,6 +208,7 @@ class _ContainerAPI:
         """Register a class for ``member`` here; see :func:`attn_di.register_backend`."""
         if isinstance(member, BackendProvider):
             member = member.member
+        member = native_member(member)
         home = self._home(member, is_mamba)
         if home is not self:
             return home.register(member, class_path)
@@ -687,8 +712,8 @@ def _remove_runtime_provider(member: Any) -> None:
             delattr(container, member.name)
 
 
-on_new_member(_add_runtime_provider)
-on_removed_member(_remove_runtime_provider)
+on_member_added(_add_runtime_provider)
+on_member_removed(_remove_runtime_provider)
 
 
 def _registration_target(class_path: object) -> Target:

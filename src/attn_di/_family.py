@@ -36,6 +36,7 @@ from attn_di._state import (
 )
 from attn_di.exceptions import (
     AttnDIWarning,
+    BackendNotRegisteredError,
     InvalidBackendNameError,
     InvalidBackendTypeError,
     UnknownBackendError,
@@ -47,9 +48,12 @@ __all__ = [
     "BackendFamily",
     "families",
     "family_of",
-    "on_new_member",
-    "on_removed_member",
+    "native_member",
+    "on_member_added",
+    "on_member_removed",
+    "register_enum_alias",
     "spelling",
+    "unregister_enum_alias",
 ]
 
 _E = TypeVar("_E", bound="BackendEnum")
@@ -58,6 +62,8 @@ _FAMILIES: dict[type[Any], BackendFamily] = {}
 _SEPARATORS = re.compile(r"[\s-]+")
 _new_listeners: list[Callable[[BackendEnum], None]] = []
 _removed_listeners: list[Callable[[BackendEnum], None]] = []
+# Another project's enum class -> the family whose members its members stand for.
+_ALIASES: dict[type[Any], BackendFamily] = {}
 
 
 class BackendEnumMeta(EnumMeta):
@@ -91,6 +97,12 @@ class BackendEnum(Enum, metaclass=BackendEnumMeta):
     def _missing_(cls, value: object) -> Any:
         # Enum("...") looks members up by default class path.
         raise family_of(cls).unknown(value, looked_up="class path")
+
+    @property
+    def is_runtime(self) -> bool:
+        """True for a member added at runtime (``register``, ``register_backend("NAME")``,
+        ``ATTN_DI_REGISTRATIONS``), False for one declared in the enum."""
+        return self._name_ not in family_of(self).builtin
 
     @property
     def default_path(self) -> str | None:
@@ -209,6 +221,7 @@ class BackendFamily:
         Raises:
             UnknownBackendError: anything else (a ValueError), with the closest name.
         """
+        key = native_member(key)
         if isinstance(key, self.enum):
             return key
         member = self.enum._member_map_.get(key) if isinstance(key, str) else None
@@ -258,6 +271,7 @@ class BackendFamily:
             UnknownBackendError: an unknown name, with the closest suggestion.
             InvalidBackendTypeError: neither a string nor a member.
         """
+        name = native_member(name)
         if name is None or isinstance(name, self.enum):
             return name
         if not isinstance(name, str):
@@ -476,15 +490,102 @@ def families() -> tuple[BackendFamily, ...]:
     return tuple(_FAMILIES.values())
 
 
-def on_new_member(listener: Callable[[Any], None]) -> None:
+def on_member_added(listener: Callable[[Any], None]) -> Callable[[], None]:
     """Call ``listener(member)`` (under the registry lock) for every runtime member added,
-    before the member is in the enum's tables."""
+    before the member is in the enum's tables (so that a thread finding the name there finds
+    what the listeners made for it too); if a listener raises, the member is not added and
+    the removal listeners are called for it.
+
+    Returns:
+        A function that unsubscribes ``listener`` (a no-op once done).
+    """
     _new_listeners.append(listener)
+    return lambda: _discard(_new_listeners, listener)
 
 
-def on_removed_member(listener: Callable[[Any], None]) -> None:
-    """Call ``listener(member)`` (under the registry lock) for every runtime member removed."""
+def on_member_removed(listener: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``listener(member)`` (under the registry lock) for every runtime member removed.
+
+    Returns:
+        A function that unsubscribes ``listener`` (a no-op once done).
+    """
     _removed_listeners.append(listener)
+    return lambda: _discard(_removed_listeners, listener)
+
+
+def register_enum_alias(foreign_enum: type[Enum], native_enum: type[BackendEnum]) -> None:
+    """Accept the members of ``foreign_enum`` wherever attn_di takes a member of ``native_enum``.
+
+    Another project's enum of the same backends (vLLM's ``AttentionBackendEnum``) then works
+    as a key: ``container.backend(vllm_member)``, ``override(vllm_member, impl)``,
+    ``register_backend(vllm_member, path)``, ``parse_backend_name``, ``select_backend``.
+    A foreign member stands for the native member of the same name; a name the native enum
+    lacks becomes a runtime member of it (valued by the foreign member's value, a dotted
+    class path) the first time the foreign member is used. Registering the same foreign
+    enum again replaces its native enum.
+
+    Args:
+        foreign_enum: an :class:`enum.Enum` subclass whose member names are backend names.
+        native_enum: :class:`~attn_di.AttentionBackendEnum` or
+            :class:`~attn_di.MambaAttentionBackendEnum` (any attn_di backend enum).
+
+    Raises:
+        InvalidBackendTypeError: ``foreign_enum`` is not an Enum class, is an attn_di
+            enum, or ``native_enum`` is not an attn_di backend enum.
+    """
+    if not isinstance(foreign_enum, type) or not issubclass(foreign_enum, Enum):
+        raise InvalidBackendTypeError("foreign_enum", foreign_enum, "an Enum class")
+    if foreign_enum in _FAMILIES:
+        raise InvalidBackendTypeError(
+            "foreign_enum", foreign_enum, "another project's enum, not an attn_di enum"
+        )
+    family = _FAMILIES.get(native_enum) if isinstance(native_enum, type) else None
+    if family is None:
+        raise InvalidBackendTypeError(
+            "native_enum", native_enum, "an attn_di backend enum (AttentionBackendEnum, ...)"
+        )
+    with REGISTRY_LOCK:
+        _ALIASES[foreign_enum] = family
+
+
+def unregister_enum_alias(foreign_enum: type[Enum]) -> None:
+    """Stop accepting ``foreign_enum``'s members (no-op if it was not registered).
+
+    Runtime members created for its names stay (remove them like any runtime member)."""
+    with REGISTRY_LOCK:
+        _ALIASES.pop(foreign_enum, None)
+
+
+def native_member(key: Any) -> Any:
+    """``key`` itself, or for a member of an enum registered with :func:`register_enum_alias`,
+    the native member of the same name (created as a runtime member on first use).
+
+    Raises:
+        BackendNotRegisteredError: the native enum lacks the name and the foreign member has
+            no class path to create it with (a placeholder such as CUSTOM).
+        InvalidBackendNameError, InvalidClassPathError: the name or path cannot make a member.
+    """
+    family = _ALIASES.get(type(key))
+    if family is None:
+        return key
+    name = key.name
+    member = family.enum._member_map_.get(name)
+    if member is not None:
+        return member
+    value = key.value
+    if not isinstance(value, str) or not value:
+        raise BackendNotRegisteredError(name, family.enum.__name__)
+    with REGISTRY_LOCK:
+        member = family.enum._member_map_.get(name)
+        if member is None:
+            member = family.add_member(name, value)
+    return member
+
+
+def _discard(listeners: list[Callable[[Any], None]], listener: Callable[[Any], None]) -> None:
+    with REGISTRY_LOCK:
+        if listener in listeners:
+            listeners.remove(listener)
 
 
 def _member_by_name(enum: type[BackendEnum], name: str) -> BackendEnum:

@@ -427,16 +427,19 @@ def _check_metadata(
 
 
 def _check_longest(metadata: AttentionMetadata, name: str, lengths: torch.Tensor) -> None:
-    """Refuse ``max_query_len`` / ``max_seq_len`` unless it is the longest of ``lengths`` (the
-    checked indices): the backends choose their path by it (CPU_ATTN's kernel is causal),
-    so a stale value would compute a silently wrong answer."""
+    """Refuse ``max_query_len`` / ``max_seq_len`` below the longest of ``lengths`` (the checked
+    indices). Backends choose their path by it (CPU_ATTN's kernel is causal; a single-token
+    batch takes it even when not causal), so a stale, smaller value would compute a silently
+    wrong answer; a larger one is a bound, as flash-attention's ``max_seqlen`` is, and only
+    keeps a batch off a path meant for shorter queries."""
     longest = int(lengths.max()) if lengths.numel() else 0
     value = getattr(metadata, name)
-    if value != longest:
+    if value < longest:
         kind = "query" if name == "max_query_len" else "sequence"
         raise InvalidInputError(
             name,
-            f"{value} is not the longest {kind} length {longest} (lengths {lengths.tolist()})",
+            f"{value} is less than the longest {kind} length {longest} "
+            f"(lengths {lengths.tolist()})",
             hint=f"set {name} from the lengths (AttentionMetadataBuilder does), or build new "
             "metadata rather than editing one",
         )
