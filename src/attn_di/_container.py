@@ -34,7 +34,9 @@ from attn_di._provider import BackendProvider, Layer, Target
 from attn_di._state import (
     LOCAL_LAYERS,
     REGISTRY_LOCK,
+    notify_quietly,
     notify_registrations_changed,
+    snapshot,
     user_stacklevel,
 )
 from attn_di.exceptions import (
@@ -45,7 +47,13 @@ from attn_di.exceptions import (
     UnknownBackendError,
 )
 
-__all__ = ["SELECTION_HOOKS", "BackendContainer", "BackendKey", "MambaBackendContainer"]
+__all__ = [
+    "SELECTION_HOOKS",
+    "BackendContainer",
+    "BackendKey",
+    "MambaBackendContainer",
+    "warn_unexportable",
+]
 
 BackendKey = BackendEnum | str
 """A member (of either enum), or an attention member's name (any case; ``-`` or a space for
@@ -204,9 +212,9 @@ class _ContainerAPI:
         home = self._home(member, is_mamba)
         if home is not self:
             return home.register(member, class_path)
-        if isinstance(member, str) and member not in self.family.enum._member_map_:
-            self.family.check_new_name(member)
-        elif not isinstance(member, (str, BackendEnum)):
+        if isinstance(member, str):
+            self.family.check_name_form(member)  # it may exist by the time it is created
+        elif not isinstance(member, BackendEnum):
             raise InvalidBackendTypeError(
                 "backend", member, "a backend enum member, its name, or a new member's name"
             )
@@ -230,10 +238,18 @@ class _ContainerAPI:
         A runtime member returns to its value (the path it was created with)."""
         provider = self.provider(member)
         with REGISTRY_LOCK:
-            changed = provider._registered is not None
+            previous = provider._registered
             provider.set_registration(None)
-        if changed:
+        if previous is None:
+            return
+        try:
             notify_registrations_changed(self._top())
+        except BaseException:
+            with REGISTRY_LOCK:
+                if provider._registered is None:
+                    provider.set_registration(previous)
+            notify_quietly(self._top())
+            raise
 
     def export_registrations(self, strict: bool = True) -> dict[str, str]:
         """A JSON-serialisable snapshot ``{name: dotted path}`` of the registrations.
@@ -250,7 +266,16 @@ class _ContainerAPI:
             UnexportableBackendError: (strict) a registered class whose ``module.qualname`` does
                 not import back to it (e.g. defined inside a function).
         """
+        snapshot, skipped = self._export(strict)
+        warn_unexportable(skipped)
+        return snapshot
+
+    def _export(self, strict: bool) -> tuple[dict[str, str], list[tuple[str, str, str]]]:
+        """:meth:`export_registrations` without its warnings: ``(snapshot, skipped)``,
+        ``skipped`` the ``(name, path, reason)`` left out (not strict) for
+        :func:`warn_unexportable`, which the caller calls once its state is consistent."""
         snapshot: dict[str, str] = {}
+        skipped: list[tuple[str, str, str]] = []
         for prefix, container in self._families():
             builtin = container.family.builtin
             for provider in container._own_providers():
@@ -265,10 +290,10 @@ class _ContainerAPI:
                     reason = "does not import back to the same class in a new process"
                     if strict:
                         raise UnexportableBackendError(name, target.path, reason)
-                    _warn_unexportable(name, target.path, reason)
+                    skipped.append((name, target.path, reason))
                     continue
                 snapshot[prefix + name] = target.path
-        return snapshot
+        return snapshot, skipped
 
     def apply_registrations(self, snapshot: Mapping[str, str]) -> None:
         """Apply a snapshot made by :meth:`export_registrations` (e.g. in a worker process).
@@ -299,16 +324,32 @@ class _ContainerAPI:
                     key, f"unknown family {prefix!r}; known: {sorted(by_prefix)}"
                 )
             if name not in container.family.enum._member_map_:
-                container.family.check_new_name(name)
+                container.family.check_name_form(name)
                 if (prefix, name) in new_names:
                     raise InvalidBackendNameError(key, "the snapshot adds it twice")
                 new_names.add((prefix, name))
             plan.append((container, name, class_path))
-        for container, name, class_path in plan:
-            if name in container.family.enum._member_map_:
-                container._register(name, Target.of_path(class_path, "registered"))
-            else:
-                container.family.add_member(name, class_path)
+        undo: list[tuple[BackendProvider, Target | None]] = []
+        created: list[tuple[_ContainerAPI, Any]] = []
+        try:
+            with REGISTRY_LOCK:  # all at once: no thread sees half a snapshot
+                for container, name, class_path in plan:
+                    member, new = container.family.ensure_member(name, class_path)
+                    if new:
+                        created.append((container, member))
+                        continue
+                    provider = container.provider(member)
+                    undo.append((provider, provider._registered))
+                    provider.set_registration(Target.of_path(class_path, "registered"))
+            notify_registrations_changed(None)
+        except BaseException:  # a warning turned into an error, or a listener failed
+            with REGISTRY_LOCK:
+                for provider, previous in reversed(undo):
+                    provider.set_registration(previous)
+                for container, member in reversed(created):
+                    container.family.remove_member(member, notify=False)
+            notify_quietly(None)
+            raise
 
     # -- overrides --------------------------------------------------------------------
     def override(
@@ -424,21 +465,37 @@ class _ContainerAPI:
         return sub
 
     def _register(self, member: BackendKey, target: Target) -> None:
-        if isinstance(member, str) and member not in self.family.enum._member_map_:
-            # vLLM >= 0.32: a new name creates the member (valued by the path) and records the
-            # registration, so is_overridden() is True and clear_override() returns to the value.
-            new = self.family.add_member(
-                member, target.path, target.load(member) if target.has_object else None
-            )
-            member = new
-        provider = self.provider(member)
+        """Record ``target`` as ``member``'s registration, creating a runtime member for a new
+        name (vLLM >= 0.32: the member is valued by the path and the registration recorded,
+        so is_overridden() is True and clear_override() returns to the value).
+
+        Creating the member and registering are one step under the registry lock: threads
+        registering one new name at once all succeed, and the last registration wins. If
+        telling the listeners fails (a warning turned into an error, ``-W error``), the
+        change is undone before the error propagates.
+        """
         with REGISTRY_LOCK:
+            created = False
+            if isinstance(member, str) and member not in self.family.enum._member_map_:
+                default_cls = target.load(member) if target.has_object else None
+                member, created = self.family.ensure_member(member, target.path, default_cls)
+            provider = self.provider(member)
+            previous = provider._registered
             provider.set_registration(target)
-        notify_registrations_changed(self._top())
+        try:
+            notify_registrations_changed(None if created else self._top())
+        except BaseException:
+            with REGISTRY_LOCK:
+                if provider._registered is target:
+                    provider.set_registration(previous)
+            if created:
+                self.family.remove_member(provider.member, notify=False)
+            notify_quietly(None if created else self._top())
+            raise
 
     def _own_providers(self) -> list[BackendProvider]:
         """This container's providers, one per live member of its enum, in enum order."""
-        by_key = dict(self._by_key)
+        by_key = snapshot(lambda: dict(self._by_key))
         found = [by_key.get(member) for member in self.family.members()]
         return [p for p in found if p is not None]
 
@@ -633,10 +690,9 @@ del _family, _cls
 def _add_runtime_provider(member: Any) -> None:
     family = family_of(member)
     setattr(_DECLARATIVE[family], member.name, BackendProvider(member))
-    for container in list(_live_containers):
+    for container in snapshot(lambda: list(_live_containers)):
         if container.family is family:
             setattr(container, member.name, BackendProvider(member))
-    notify_registrations_changed(None)
 
 
 def _remove_runtime_provider(member: Any) -> None:
@@ -645,7 +701,7 @@ def _remove_runtime_provider(member: Any) -> None:
     provider = vars(declarative).get(member.name)
     if isinstance(provider, BackendProvider) and provider.member is member:
         delattr(declarative, member.name)
-    for container in list(_live_containers):
+    for container in snapshot(lambda: list(_live_containers)):
         if container.family is not family:
             continue
         removed = container._by_key.pop(member, None)
@@ -654,7 +710,6 @@ def _remove_runtime_provider(member: Any) -> None:
             with REGISTRY_LOCK:
                 removed.invalidate()
             delattr(container, member.name)
-    notify_registrations_changed(None)
 
 
 on_member_added(_add_runtime_provider)
@@ -681,16 +736,19 @@ def _exportable(target: Target, name: str, strict: bool) -> bool:
     return "<" not in target.path
 
 
-def _warn_unexportable(name: str, class_path: str, reason: str) -> None:
-    if (name, class_path) in _warned_unexportable:
-        return
-    _warned_unexportable.add((name, class_path))
-    warnings.warn(
-        f"the registration of {name} ({class_path}) is not propagated to worker processes: "
-        f"the class {reason}; define it at module level or register it by dotted path",
-        UnexportableBackendWarning,
-        stacklevel=user_stacklevel(),
-    )
+def warn_unexportable(skipped: Iterable[tuple[str, str, str]]) -> None:
+    """Warn once per ``(name, path)`` of ``skipped`` (from ``_export``) that it is not
+    propagated. A warning an error filter raises is raised again next time."""
+    for name, class_path, reason in skipped:
+        if (name, class_path) in _warned_unexportable:
+            continue
+        warnings.warn(
+            f"the registration of {name} ({class_path}) is not propagated to worker processes: "
+            f"the class {reason}; define it at module level or register it by dotted path",
+            UnexportableBackendWarning,
+            stacklevel=user_stacklevel(),
+        )
+        _warned_unexportable.add((name, class_path))
 
 
 def _identity(obj: _C) -> _C:

@@ -76,9 +76,9 @@ def use_container(container: BackendContainer | None = None) -> Iterator[Backend
     with _lock:
         _installed.append(current)
         _set_default(current)
-    _move_wiring(previous, current)
-    _state.notify_registrations_changed(current)
     try:
+        _move_wiring(previous, current)
+        _state.notify_registrations_changed(current)
         yield current
     finally:
         with _lock:
