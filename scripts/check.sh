@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run every gate and test, failing on the first red one.
+# Set up (scripts/setup.sh) and run every gate and test, failing on the first red one; then
+# the tests against the real vLLM (tests/vllm) in their own venv (scripts/setup-vllm.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,3 +16,8 @@ echo "== mkdocs build --strict"
 # tests/test_docs.py reads the site just built instead of building its own
 echo "== pytest";            ATTN_DI_DOCS_SITE="$PWD/site" \
                              $PY -m pytest -q tests --hypothesis-profile=ci "$@"
+echo "== vLLM: tests/vllm in .venv-vllm"
+vllm_start=$SECONDS
+bash scripts/setup-vllm.sh
+.venv-vllm/bin/python -m pytest -q tests/vllm -p no:cacheprovider
+echo "== vLLM part: $((SECONDS - vllm_start)) s (set-up included)"

@@ -15,6 +15,7 @@ from importlib.metadata import EntryPoint
 from typing import Any
 
 import pytest
+from dependency_injector import providers
 
 import attn_di
 from attn_di import (
@@ -79,11 +80,52 @@ def test_members_created_while_others_read(container: BackendContainer) -> None:
     assert sum(name.startswith(prefix) for name in E.__members__) == 300
 
 
+def test_reading_the_tables_survives_a_change_during_the_copy(
+    container: BackendContainer, new_name: Callable[[], str]
+) -> None:
+    """Copying a member table is one C call, but a garbage collection inside it runs Python
+    code, and so can let another thread add a member mid-copy. Here every collection (one
+    per allocation) adds a member itself, a few times: listing, iterating, exporting and
+    parsing still return a whole snapshot."""
+    import gc
+
+    added: list[str] = []
+    armed = False
+
+    def add_a_member(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and armed and len(added) < 5:
+            added.append(new_name())
+            register_backend(added[-1], "collections.OrderedDict")
+
+    readers = {
+        "names": attn_di._enum.ATTENTION.names,
+        "iteration": lambda: list(E),
+        "export": container.export_registrations,
+        "parse": lambda: parse_backend_name("cpu-attn"),
+    }
+    threshold = gc.get_threshold()
+    gc.callbacks.append(add_a_member)
+    try:
+        for read in readers.values():
+            added.clear()
+            armed = True
+            gc.set_threshold(1)
+            try:
+                assert read()
+            finally:
+                armed = False
+                gc.set_threshold(*threshold)
+            assert added  # the table did change during the read
+    finally:
+        gc.callbacks.remove(add_a_member)
+
+
 # -- plugins that raise BaseException -----------------------------------------------------
 PLUGIN_SOURCE = """
 import collections
 import sys
 import attn_di
+from dependency_injector.wiring import Provide, inject
 from attn_di import AttentionBackendEnum as E, MambaAttentionBackendEnum as M
 
 class Stop(BaseException):
@@ -110,6 +152,28 @@ def stops():
 
 def good():
     attn_di.register_backend(E.CUSTOM, "collections.OrderedDict")
+
+@inject
+def injected(backend=Provide[attn_di.BackendContainer.CPU_ATTN]):
+    return backend
+
+def unexportable():
+    attn_di.register_backend("{new}", "collections.OrderedDict")
+
+    class Local:
+        pass
+
+    attn_di.register_backend(E.FLASH_ATTN, Local)  # warns: no importable path
+
+def di_overrides():
+    from dependency_injector import providers
+    container = attn_di.get_container()
+    container.CPU_ATTN.override(providers.Object(collections.Counter))
+    container.candidates.override(providers.Object(lambda device, config: ["TORCH_SDPA"]))
+    container.attention.from_dict({"head_size": 64, "dtype": "float32"})
+    container.mamba.MAMBA2.override(providers.Object(collections.Counter))
+    container.wire(modules=[__name__])
+    raise RuntimeError("fails after its dependency-injector overrides")
 """
 
 
@@ -177,6 +241,98 @@ def test_keyboard_interrupt_is_rolled_back_then_reraised(
         ("good", "loaded"),
     ]
     assert member_name not in E.__members__
+
+
+def test_a_failed_plugins_dependency_injector_overrides_are_undone(
+    plugins: Callable[[list[str]], str], container: BackendContainer
+) -> None:
+    """A plugin that overrides providers through dependency-injector itself (a member's
+    provider, the candidate policy, the selection settings, a Mamba member) and wires a
+    module, then raises: all of it is undone; selection is attn_di's own again."""
+    attn_di.register_backend(E.FLASH_ATTN, "collections.deque")  # kept: made before
+    plugins(["di_overrides"])
+    (failed,) = load_plugins().failed
+    assert failed.error == "RuntimeError: fails after its dependency-injector overrides"
+    assert container.CPU_ATTN.overridden == ()
+    assert container.candidates.overridden == ()
+    assert container.attention.overridden == ()
+    assert container.mamba.MAMBA2.overridden == ()
+    assert container.active_overrides() == []
+    assert container.wired_to_modules == []
+    assert container.source(E.CPU_ATTN) == "default"
+    assert container.source(E.FLASH_ATTN) == "registered"
+    selection = select_backend({"head_size": 64, "dtype": "float32"}, device="cpu")
+    assert selection.backend is E.CPU_ATTN
+    module = sys.modules[next(m for m in sys.modules if m.startswith("fault_plugins_"))]
+    assert not isinstance(module.injected(), type)  # unwired: the marker, not a class
+
+
+def test_a_plugin_failing_on_a_warning_raised_as_an_error_is_rolled_back_whole(
+    plugins: Callable[[list[str]], str], container: BackendContainer
+) -> None:
+    """With automatic propagation on and warnings as errors, a plugin whose registration
+    raises UnexportableBackendWarning fails and is rolled back whole (its new member too);
+    ATTN_DI_REGISTRATIONS is as before."""
+    import warnings
+
+    previous = attn_di.set_auto_propagation(True)
+    try:
+        attn_di.register_backend(E.CUSTOM, "collections.deque")
+        before = os.environ["ATTN_DI_REGISTRATIONS"]
+        member_name = plugins(["unexportable"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            (failed,) = load_plugins().failed
+        assert failed.error is not None
+        assert failed.error.startswith("UnexportableBackendWarning")
+        assert member_name not in E.__members__
+        assert container.source(E.FLASH_ATTN) == "default"
+        assert os.environ["ATTN_DI_REGISTRATIONS"] == before
+    finally:
+        attn_di.set_auto_propagation(previous)
+
+
+def test_a_backend_module_raising_system_exit_is_an_import_failure(
+    make_module: Callable[[str, str], str], container: BackendContainer
+) -> None:
+    """SystemExit (anything but KeyboardInterrupt) at a backend's import is a
+    BackendImportError, and a rejection reason in selection; KeyboardInterrupt escapes."""
+    exits = make_module("exits_at_import_mod", "raise SystemExit(0)\n")
+    interrupts = make_module("interrupts_at_import_mod", "raise KeyboardInterrupt\n")
+    attn_di.register_backend(E.CUSTOM, f"{exits}:Backend")
+    with pytest.raises(BackendImportError, match="SystemExit") as caught:
+        container.backend(E.CUSTOM)
+    assert caught.value.reason == BackendImportError.MODULE_FAILED
+    with container.candidates.override(
+        providers.Callable(lambda device, config: [E.CUSTOM, E.CPU_ATTN])
+    ):
+        selection = select_backend({"head_size": 64, "dtype": "float32"}, device="cpu")
+    assert selection.backend is E.CPU_ATTN
+    assert "SystemExit" in selection.rejected[E.CUSTOM][0]
+    attn_di.register_backend(E.CUSTOM, f"{interrupts}:Backend")
+    with pytest.raises(KeyboardInterrupt):
+        container.backend(E.CUSTOM)
+
+
+def test_a_validate_configuration_raising_system_exit_is_a_rejection(
+    container: BackendContainer,
+) -> None:
+    """A backend whose validate_configuration raises SystemExit is rejected, not the host's end."""
+
+    class ExitingBackend:
+        @classmethod
+        def validate_configuration(cls, **kwargs: Any) -> list[str]:
+            raise SystemExit(3)
+
+    with (
+        container.override(E.CUSTOM, ExitingBackend),
+        container.candidates.override(
+            providers.Callable(lambda device, config: [E.CUSTOM, E.CPU_ATTN])
+        ),
+    ):
+        selection = select_backend({"head_size": 64, "dtype": "float32"}, device="cpu")
+    assert selection.backend is E.CPU_ATTN
+    assert selection.rejected[E.CUSTOM] == ["validate_configuration raised SystemExit: 3"]
 
 
 # -- local overrides restored elsewhere -----------------------------------------------------

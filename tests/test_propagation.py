@@ -25,7 +25,7 @@ from attn_di import (
     set_auto_propagation,
     use_container,
 )
-from attn_di.exceptions import UnexportableBackendWarning
+from attn_di.exceptions import AttnDIWarning, UnexportableBackendWarning
 
 CUSTOM = AttentionBackendEnum.CUSTOM
 ENV = "ATTN_DI_REGISTRATIONS"
@@ -332,3 +332,106 @@ def test_the_environment_switch_turns_it_off_at_import() -> None:
     off = _run_python(code, {"ATTN_DI_AUTO_PROPAGATE": "0"})
     on = _run_python(code, {})
     assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True")
+
+
+# -- with warnings as errors, a call that raises its warning changes nothing ------------------
+def _local_class(name: str) -> type:
+    """A class defined in a function (no importable path), with a unique qualified name, so
+    that the once-per-path warning is not already spent by another test."""
+    return type(name, (), {"__qualname__": f"_local_class.<locals>.{name}"})
+
+
+@pytest.fixture(name="warnings_are_errors")
+def _warnings_are_errors() -> Iterator[None]:
+    """Every warning raised as an error (as ``-W error`` does), for the test."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+@pytest.mark.usefixtures("auto", "warnings_are_errors")
+def test_an_unexportable_registration_that_raises_its_warning_is_undone(
+    new_name: Callable[[], str],
+) -> None:
+    """register_backend(member, local class) raises UnexportableBackendWarning as an error:
+    the previous registration and the variable are as they were."""
+    register_backend(CUSTOM, "collections.OrderedDict")
+    before = os.environ[ENV]
+    with pytest.raises(UnexportableBackendWarning):
+        register_backend(CUSTOM, _local_class(f"Local{new_name()}"))
+    assert get_container().get_path(CUSTOM) == "collections.OrderedDict"
+    assert os.environ[ENV] == before
+
+
+@pytest.mark.usefixtures("auto", "warnings_are_errors")
+def test_a_new_member_whose_warning_raises_is_not_created(new_name: Callable[[], str]) -> None:
+    """A new name registered with a local class: the warning raises, the member is gone."""
+    name = new_name()
+    before = os.environ.get(ENV)
+    with pytest.raises(UnexportableBackendWarning):
+        register_backend(name, _local_class(f"Local{name}"))
+    assert name not in AttentionBackendEnum.__members__
+    assert os.environ.get(ENV) == before
+
+
+@pytest.mark.usefixtures("auto", "warnings_are_errors")
+def test_a_case_twin_whose_warning_raises_is_not_created(new_name: Callable[[], str]) -> None:
+    """A name differing from a member only by case warns before anything changes."""
+    name = new_name()
+    register_backend(name, "collections.OrderedDict")
+    before = os.environ[ENV]
+    twin = name.lower()
+    for register in (
+        lambda: register_backend(twin, "collections.Counter"),
+        lambda: AttentionBackendEnum.register(twin, "collections.Counter"),
+        lambda: get_container().apply_registrations({"CUSTOM": "a.B", twin: "collections.Counter"}),
+    ):
+        with pytest.raises(AttnDIWarning, match="only by case"):
+            register()
+        assert twin not in AttentionBackendEnum.__members__
+        assert not CUSTOM.is_overridden()
+        assert os.environ[ENV] == before
+
+
+@pytest.mark.usefixtures("warnings_are_errors")
+def test_switching_propagation_on_that_raises_its_warning_changes_nothing(
+    new_name: Callable[[], str],
+) -> None:
+    """set_auto_propagation(True) with an unexportable registration: the warning raises, the
+    switch stays off and the variable is untouched."""
+    register_backend(CUSTOM, _local_class(f"Local{new_name()}"))  # off: nothing warns
+    os.environ[ENV] = '{"FLASH_ATTN":"collections.Counter"}'
+    with pytest.raises(UnexportableBackendWarning):
+        set_auto_propagation(True)
+    assert set_auto_propagation(False) is False
+    assert os.environ[ENV] == '{"FLASH_ATTN":"collections.Counter"}'
+
+
+@pytest.mark.usefixtures("auto", "warnings_are_errors")
+def test_use_container_whose_warning_raises_keeps_the_default(new_name: Callable[[], str]) -> None:
+    """Entering use_container(c) with an unexportable registration in c: the warning raises
+    at the ``with``, and the previous default container stays the default."""
+    default = get_container()
+    other = BackendContainer()
+    other.register(CUSTOM, _local_class(f"Local{new_name()}"))
+    with pytest.raises(UnexportableBackendWarning), use_container(other):
+        pytest.fail("the block must not run")
+    assert get_container() is default
+
+
+def test_a_refused_inherited_variable_stays_as_inherited() -> None:
+    """``import attn_di`` refusing ATTN_DI_REGISTRATIONS leaves the variable as it came (the
+    default container it made on the way does not rewrite it), so a second import refuses
+    it again instead of running without the registrations."""
+    code = (
+        "import os\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        import attn_di\n"
+        "    except ValueError as error:\n"
+        "        print(type(error).__name__, os.environ['ATTN_DI_REGISTRATIONS'])\n"
+    )
+    result = _run_python(code, {ENV: '{"CUSTOM": 3}'})
+    assert result.stdout.splitlines() == ['RegistrationsEnvError {"CUSTOM": 3}'] * 2

@@ -30,9 +30,7 @@ def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 def test_plugin_is_registered_through_its_entry_point(request: pytest.FixtureRequest) -> None:
     """pytest loads the plugin by the pytest11 entry point named attn_di."""
-    assert (
-        request.config.pluginmanager.get_plugin("attn_di") is sys.modules["attn_di.pytest_plugin"]
-    )
+    assert request.config.pluginmanager.get_plugin("attn_di") is sys.modules["_attn_di_pytest"]
 
 
 def test_container_fixture_is_fresh_and_clean(pytester: pytest.Pytester) -> None:
@@ -207,3 +205,30 @@ def test_plugin_module_is_import_light() -> None:
         [sys.executable, "-c", check], capture_output=True, text=True, check=True
     ).stdout
     assert output.strip() == "[]"
+
+
+@pytest.mark.parametrize("value", ["{not json", '{"CUSTOM": 3}', '{"bad name": "a.B"}'])
+def test_a_malformed_inherited_variable_spares_suites_without_attn_di(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """The plugin loads in every pytest session: a malformed ATTN_DI_REGISTRATIONS fails only
+    the tests that use attn_di's fixtures or marker, with attn_di's message, not start-up."""
+    pytester.makepyfile(
+        test_plain="def test_plain():\n    assert True\n",
+        test_fixture="def test_fixture(attn_di_container):\n    pass\n",
+        test_marker=(
+            "import pytest\n\n"
+            "@pytest.mark.attention_backend('CUSTOM', 'collections.Counter')\n"
+            "def test_marker():\n    pass\n"
+        ),
+    )
+    monkeypatch.setenv("ATTN_DI_REGISTRATIONS", value)
+    plain = pytester.runpytest_subprocess("-p", "no:cacheprovider", "test_plain.py")
+    plain.assert_outcomes(passed=1)
+    assert plain.ret == 0
+    used = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "test_fixture.py", "test_marker.py"
+    )
+    used.assert_outcomes(errors=2)
+    used.stdout.fnmatch_lines(["*attn_di's pytest fixtures cannot start: *ATTN_DI_REGISTRATIONS*"])
+    assert "Traceback" not in used.stdout.str()

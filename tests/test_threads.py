@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from collections.abc import Callable
 
@@ -56,3 +57,45 @@ def test_eight_readers_and_a_writer(
     assert container.backend(member) is collections.OrderedDict
     register_backend(member, "collections.Counter")
     assert member.get_class() is collections.Counter
+
+
+def _register_at_once(name: str, paths: list[str], threads: int) -> list[BaseException]:
+    """``threads`` threads released together each call register_backend(name, a path)."""
+    barrier = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def register(index: int) -> None:
+        barrier.wait()
+        try:
+            register_backend(name, paths[index % len(paths)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    started = [threading.Thread(target=register, args=(i,)) for i in range(threads)]
+    for thread in started:
+        thread.start()
+    for thread in started:
+        thread.join()
+    return errors
+
+
+def test_threads_creating_one_new_member_all_succeed(
+    container: BackendContainer, new_name: Callable[[], str]
+) -> None:
+    """16 threads released at once register one new name, round after round: every call
+    succeeds, the member exists once, and its registration is one of the paths given (the
+    last to take the registry lock); a later call still wins."""
+    paths = ["collections.OrderedDict", "collections.Counter", "collections.deque"]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the threads as finely as the interpreter can
+    try:
+        for _ in range(20):
+            name = new_name()
+            assert _register_at_once(name, paths, 16) == []
+            assert list(AttentionBackendEnum.__members__).count(name) == 1
+            assert container.source(name) == "registered"
+            assert container.get_path(name) in paths
+    finally:
+        sys.setswitchinterval(switch)
+    register_backend(name, "collections.ChainMap")
+    assert container.get_path(name) == "collections.ChainMap"

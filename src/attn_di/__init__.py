@@ -39,13 +39,19 @@ __all__ = [
     "force_backend",
     "get_container",
     "load_plugins",
+    "on_member_added",
+    "on_member_removed",
     "parse_backend_name",
     "plugin_report",
     "propagate_registrations",
     "ray_runtime_env",
     "register_backend",
+    "register_enum_alias",
+    "registry_version",
+    "remove_runtime_member",
     "select_backend",
     "set_auto_propagation",
+    "unregister_enum_alias",
     "use_container",
 ]
 
@@ -53,9 +59,20 @@ import os as _os
 from typing import TYPE_CHECKING, Any
 
 from attn_di._container import BackendContainer, MambaBackendContainer
-from attn_di._default import get_container, register_backend, use_container
+from attn_di._default import get_container, register_backend, registry_version, use_container
 from attn_di._deprecated import DeprecatedBackendAlias
-from attn_di._enum import AttentionBackendEnum, MambaAttentionBackendEnum, parse_backend_name
+from attn_di._enum import (
+    AttentionBackendEnum,
+    MambaAttentionBackendEnum,
+    parse_backend_name,
+    remove_runtime_member,
+)
+from attn_di._family import (
+    on_member_added,
+    on_member_removed,
+    register_enum_alias,
+    unregister_enum_alias,
+)
 from attn_di._overrides import BackendOverride
 from attn_di._propagation import (
     apply_inherited_registrations as _apply_inherited_registrations,

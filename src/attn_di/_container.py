@@ -20,14 +20,23 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 from dependency_injector import containers, providers
 
 from attn_di._enum import ATTENTION, MAMBA, AttentionBackendEnum, MambaAttentionBackendEnum
-from attn_di._family import BackendEnum, BackendFamily, family_of, on_new_member, on_removed_member
+from attn_di._family import (
+    BackendEnum,
+    BackendFamily,
+    family_of,
+    native_member,
+    on_member_added,
+    on_member_removed,
+)
 from attn_di._overrides import BackendOverride, ContainerOverride, override_target
 from attn_di._paths import check_class_path, resolves_to
 from attn_di._provider import BackendProvider, Layer, Target
 from attn_di._state import (
     LOCAL_LAYERS,
     REGISTRY_LOCK,
+    notify_quietly,
     notify_registrations_changed,
+    snapshot,
     user_stacklevel,
 )
 from attn_di.exceptions import (
@@ -38,7 +47,13 @@ from attn_di.exceptions import (
     UnknownBackendError,
 )
 
-__all__ = ["SELECTION_HOOKS", "BackendContainer", "BackendKey", "MambaBackendContainer"]
+__all__ = [
+    "SELECTION_HOOKS",
+    "BackendContainer",
+    "BackendKey",
+    "MambaBackendContainer",
+    "warn_unexportable",
+]
 
 BackendKey = BackendEnum | str
 """A member (of either enum), or an attention member's name (any case; ``-`` or a space for
@@ -113,6 +128,9 @@ class _ContainerAPI:
             pass
         if isinstance(member, BackendProvider):
             return self.provider(member.member)
+        native = native_member(member)  # another project's member (register_enum_alias)
+        if native is not member:
+            return self.provider(native)
         if isinstance(member, BackendEnum):
             family = family_of(member)
             sub = self._subs.get(family)
@@ -151,6 +169,20 @@ class _ContainerAPI:
         """True while a registration or an override of ``member`` is active here."""
         return self.provider(member).is_overridden()
 
+    def registration(self, member: BackendKey) -> str | None:
+        """The dotted path registered for ``member`` here, or None.
+
+        Only the registration (``register_backend``, an ``attn_di.plugins`` entry point,
+        ``ATTN_DI_REGISTRATIONS``); override blocks are not registrations. A class registered
+        directly gives its ``module.qualname``. A runtime member created by a registration
+        has one until ``clear_override()``.
+
+        Raises:
+            UnknownBackendError: no such member.
+        """
+        target = self.provider(member).registered_target
+        return None if target is None else target.path
+
     def source(self, member: BackendKey) -> str:
         """Where ``member``'s class comes from: "local override", "override", "registered",
         "plugin" (registered by an ``attn_di.plugins`` entry point), "default", "di override"
@@ -176,12 +208,13 @@ class _ContainerAPI:
         """Register a class for ``member`` here; see :func:`attn_di.register_backend`."""
         if isinstance(member, BackendProvider):
             member = member.member
+        member = native_member(member)
         home = self._home(member, is_mamba)
         if home is not self:
             return home.register(member, class_path)
-        if isinstance(member, str) and member not in self.family.enum._member_map_:
-            self.family.check_new_name(member)
-        elif not isinstance(member, (str, BackendEnum)):
+        if isinstance(member, str):
+            self.family.check_name_form(member)  # it may exist by the time it is created
+        elif not isinstance(member, BackendEnum):
             raise InvalidBackendTypeError(
                 "backend", member, "a backend enum member, its name, or a new member's name"
             )
@@ -205,10 +238,18 @@ class _ContainerAPI:
         A runtime member returns to its value (the path it was created with)."""
         provider = self.provider(member)
         with REGISTRY_LOCK:
-            changed = provider._registered is not None
+            previous = provider._registered
             provider.set_registration(None)
-        if changed:
+        if previous is None:
+            return
+        try:
             notify_registrations_changed(self._top())
+        except BaseException:
+            with REGISTRY_LOCK:
+                if provider._registered is None:
+                    provider.set_registration(previous)
+            notify_quietly(self._top())
+            raise
 
     def export_registrations(self, strict: bool = True) -> dict[str, str]:
         """A JSON-serialisable snapshot ``{name: dotted path}`` of the registrations.
@@ -225,7 +266,16 @@ class _ContainerAPI:
             UnexportableBackendError: (strict) a registered class whose ``module.qualname`` does
                 not import back to it (e.g. defined inside a function).
         """
+        snapshot, skipped = self._export(strict)
+        warn_unexportable(skipped)
+        return snapshot
+
+    def _export(self, strict: bool) -> tuple[dict[str, str], list[tuple[str, str, str]]]:
+        """:meth:`export_registrations` without its warnings: ``(snapshot, skipped)``,
+        ``skipped`` the ``(name, path, reason)`` left out (not strict) for
+        :func:`warn_unexportable`, which the caller calls once its state is consistent."""
         snapshot: dict[str, str] = {}
+        skipped: list[tuple[str, str, str]] = []
         for prefix, container in self._families():
             builtin = container.family.builtin
             for provider in container._own_providers():
@@ -240,10 +290,10 @@ class _ContainerAPI:
                     reason = "does not import back to the same class in a new process"
                     if strict:
                         raise UnexportableBackendError(name, target.path, reason)
-                    _warn_unexportable(name, target.path, reason)
+                    skipped.append((name, target.path, reason))
                     continue
                 snapshot[prefix + name] = target.path
-        return snapshot
+        return snapshot, skipped
 
     def apply_registrations(self, snapshot: Mapping[str, str]) -> None:
         """Apply a snapshot made by :meth:`export_registrations` (e.g. in a worker process).
@@ -274,16 +324,32 @@ class _ContainerAPI:
                     key, f"unknown family {prefix!r}; known: {sorted(by_prefix)}"
                 )
             if name not in container.family.enum._member_map_:
-                container.family.check_new_name(name)
+                container.family.check_name_form(name)
                 if (prefix, name) in new_names:
                     raise InvalidBackendNameError(key, "the snapshot adds it twice")
                 new_names.add((prefix, name))
             plan.append((container, name, class_path))
-        for container, name, class_path in plan:
-            if name in container.family.enum._member_map_:
-                container._register(name, Target.of_path(class_path, "registered"))
-            else:
-                container.family.add_member(name, class_path)
+        undo: list[tuple[BackendProvider, Target | None]] = []
+        created: list[tuple[_ContainerAPI, Any]] = []
+        try:
+            with REGISTRY_LOCK:  # all at once: no thread sees half a snapshot
+                for container, name, class_path in plan:
+                    member, new = container.family.ensure_member(name, class_path)
+                    if new:
+                        created.append((container, member))
+                        continue
+                    provider = container.provider(member)
+                    undo.append((provider, provider._registered))
+                    provider.set_registration(Target.of_path(class_path, "registered"))
+            notify_registrations_changed(None)
+        except BaseException:  # a warning turned into an error, or a listener failed
+            with REGISTRY_LOCK:
+                for provider, previous in reversed(undo):
+                    provider.set_registration(previous)
+                for container, member in reversed(created):
+                    container.family.remove_member(member, notify=False)
+            notify_quietly(None)
+            raise
 
     # -- overrides --------------------------------------------------------------------
     def override(
@@ -399,21 +465,37 @@ class _ContainerAPI:
         return sub
 
     def _register(self, member: BackendKey, target: Target) -> None:
-        if isinstance(member, str) and member not in self.family.enum._member_map_:
-            # vLLM >= 0.32: a new name creates the member (valued by the path) and records the
-            # registration, so is_overridden() is True and clear_override() returns to the value.
-            new = self.family.add_member(
-                member, target.path, target.load(member) if target.has_object else None
-            )
-            member = new
-        provider = self.provider(member)
+        """Record ``target`` as ``member``'s registration, creating a runtime member for a new
+        name (vLLM >= 0.32: the member is valued by the path and the registration recorded,
+        so is_overridden() is True and clear_override() returns to the value).
+
+        Creating the member and registering are one step under the registry lock: threads
+        registering one new name at once all succeed, and the last registration wins. If
+        telling the listeners fails (a warning turned into an error, ``-W error``), the
+        change is undone before the error propagates.
+        """
         with REGISTRY_LOCK:
+            created = False
+            if isinstance(member, str) and member not in self.family.enum._member_map_:
+                default_cls = target.load(member) if target.has_object else None
+                member, created = self.family.ensure_member(member, target.path, default_cls)
+            provider = self.provider(member)
+            previous = provider._registered
             provider.set_registration(target)
-        notify_registrations_changed(self._top())
+        try:
+            notify_registrations_changed(None if created else self._top())
+        except BaseException:
+            with REGISTRY_LOCK:
+                if provider._registered is target:
+                    provider.set_registration(previous)
+            if created:
+                self.family.remove_member(provider.member, notify=False)
+            notify_quietly(None if created else self._top())
+            raise
 
     def _own_providers(self) -> list[BackendProvider]:
         """This container's providers, one per live member of its enum, in enum order."""
-        by_key = dict(self._by_key)
+        by_key = snapshot(lambda: dict(self._by_key))
         found = [by_key.get(member) for member in self.family.members()]
         return [p for p in found if p is not None]
 
@@ -608,10 +690,9 @@ del _family, _cls
 def _add_runtime_provider(member: Any) -> None:
     family = family_of(member)
     setattr(_DECLARATIVE[family], member.name, BackendProvider(member))
-    for container in list(_live_containers):
+    for container in snapshot(lambda: list(_live_containers)):
         if container.family is family:
             setattr(container, member.name, BackendProvider(member))
-    notify_registrations_changed(None)
 
 
 def _remove_runtime_provider(member: Any) -> None:
@@ -620,7 +701,7 @@ def _remove_runtime_provider(member: Any) -> None:
     provider = vars(declarative).get(member.name)
     if isinstance(provider, BackendProvider) and provider.member is member:
         delattr(declarative, member.name)
-    for container in list(_live_containers):
+    for container in snapshot(lambda: list(_live_containers)):
         if container.family is not family:
             continue
         removed = container._by_key.pop(member, None)
@@ -629,11 +710,10 @@ def _remove_runtime_provider(member: Any) -> None:
             with REGISTRY_LOCK:
                 removed.invalidate()
             delattr(container, member.name)
-    notify_registrations_changed(None)
 
 
-on_new_member(_add_runtime_provider)
-on_removed_member(_remove_runtime_provider)
+on_member_added(_add_runtime_provider)
+on_member_removed(_remove_runtime_provider)
 
 
 def _registration_target(class_path: object) -> Target:
@@ -656,16 +736,19 @@ def _exportable(target: Target, name: str, strict: bool) -> bool:
     return "<" not in target.path
 
 
-def _warn_unexportable(name: str, class_path: str, reason: str) -> None:
-    if (name, class_path) in _warned_unexportable:
-        return
-    _warned_unexportable.add((name, class_path))
-    warnings.warn(
-        f"the registration of {name} ({class_path}) is not propagated to worker processes: "
-        f"the class {reason}; define it at module level or register it by dotted path",
-        UnexportableBackendWarning,
-        stacklevel=user_stacklevel(),
-    )
+def warn_unexportable(skipped: Iterable[tuple[str, str, str]]) -> None:
+    """Warn once per ``(name, path)`` of ``skipped`` (from ``_export``) that it is not
+    propagated. A warning an error filter raises is raised again next time."""
+    for name, class_path, reason in skipped:
+        if (name, class_path) in _warned_unexportable:
+            continue
+        warnings.warn(
+            f"the registration of {name} ({class_path}) is not propagated to worker processes: "
+            f"the class {reason}; define it at module level or register it by dotted path",
+            UnexportableBackendWarning,
+            stacklevel=user_stacklevel(),
+        )
+        _warned_unexportable.add((name, class_path))
 
 
 def _identity(obj: _C) -> _C:

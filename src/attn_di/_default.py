@@ -8,7 +8,7 @@ so that the enum members' methods (a lower layer) reach the default container.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -19,7 +19,7 @@ from attn_di.exceptions import InvalidBackendTypeError
 if TYPE_CHECKING:
     from attn_di._container import BackendContainer, BackendKey
 
-__all__ = ["get_container", "register_backend", "use_container"]
+__all__ = ["get_container", "register_backend", "registry_version", "use_container"]
 
 _C = TypeVar("_C")
 
@@ -42,6 +42,20 @@ def get_container() -> BackendContainer:
     return container
 
 
+def registry_version() -> Hashable:
+    """A token that changes whenever what a member resolves to may have changed here.
+
+    It changes with every registration, runtime member, override block (global or, in this
+    thread / asyncio task, local), dependency-injector override and default container
+    (:func:`use_container`). Equal tokens mean every member resolves as before, so a cache of
+    resolutions (another project's selector, for instance) can key on it. Cheap: no lock,
+    no copy.
+    """
+    container = _state.DEFAULT.current
+    serial = None if container is None else container._serial
+    return (serial, _state.GENERATION[0], _state.LOCAL_LAYERS.get())
+
+
 @contextmanager
 def use_container(container: BackendContainer | None = None) -> Iterator[BackendContainer]:
     """Install ``container`` (a fresh one by default) as the default until the block ends.
@@ -62,9 +76,9 @@ def use_container(container: BackendContainer | None = None) -> Iterator[Backend
     with _lock:
         _installed.append(current)
         _set_default(current)
-    _move_wiring(previous, current)
-    _state.notify_registrations_changed(current)
     try:
+        _move_wiring(previous, current)
+        _state.notify_registrations_changed(current)
         yield current
     finally:
         with _lock:

@@ -115,5 +115,14 @@ def runtime_members() -> list[AttentionBackendEnum]:
 
 
 def remove_runtime_member(member: Any) -> None:
-    """Remove a runtime member (of either enum) and its providers (for test isolation)."""
+    """Remove a runtime member (of either enum) and its provider in every container.
+
+    For test isolation, and for a bridge whose other side dropped the member (vLLM's tests
+    remove the runtime members they create by hand). The name can be registered again.
+    A member already removed by hand only loses its providers.
+
+    Raises:
+        InvalidBackendNameError: ``member`` is a built-in member (declared in the enum).
+        InvalidBackendTypeError: ``member`` is not a backend enum member.
+    """
     family_of(member).remove_member(member)

@@ -7,10 +7,12 @@ vLLM keeps two enums with one API: ``AttentionBackendEnum`` and ``MambaAttention
 and a container class (:mod:`attn_di._container`). Families never see each other's names.
 
 Member tables are changed under :data:`attn_di._state.REGISTRY_LOCK`; readers take
-snapshots (``tuple(dict)``, atomic under the GIL), so iterating, exporting or parsing while
-another thread adds members never fails. vLLM's tests remove runtime members by hand
-(popping ``_member_map_``, ``_member_names_`` and the class attribute): everything here reads
-the enum's own tables, so such removals and a later re-registration of the name work.
+snapshots (``tuple(dict)``, one C call, retried in the rare case a garbage collection during it
+let another thread change the table: :func:`attn_di._state.snapshot`), so iterating,
+exporting or parsing while another thread adds members never fails. vLLM's tests remove
+runtime members by hand (popping ``_member_map_``, ``_member_names_`` and the class
+attribute): everything here reads the enum's own tables, so such removals and a later
+re-registration of the name work.
 """
 
 from __future__ import annotations
@@ -23,9 +25,18 @@ from enum import Enum, EnumMeta
 from typing import Any, TypeVar, cast
 
 from attn_di._paths import check_class_path
-from attn_di._state import DEFAULT, LOCAL_LAYERS, REGISTRY_LOCK, user_stacklevel
+from attn_di._state import (
+    DEFAULT,
+    LOCAL_LAYERS,
+    REGISTRY_LOCK,
+    notify_quietly,
+    notify_registrations_changed,
+    snapshot,
+    user_stacklevel,
+)
 from attn_di.exceptions import (
     AttnDIWarning,
+    BackendNotRegisteredError,
     InvalidBackendNameError,
     InvalidBackendTypeError,
     UnknownBackendError,
@@ -37,9 +48,12 @@ __all__ = [
     "BackendFamily",
     "families",
     "family_of",
-    "on_new_member",
-    "on_removed_member",
+    "native_member",
+    "on_member_added",
+    "on_member_removed",
+    "register_enum_alias",
     "spelling",
+    "unregister_enum_alias",
 ]
 
 _E = TypeVar("_E", bound="BackendEnum")
@@ -48,6 +62,8 @@ _FAMILIES: dict[type[Any], BackendFamily] = {}
 _SEPARATORS = re.compile(r"[\s-]+")
 _new_listeners: list[Callable[[BackendEnum], None]] = []
 _removed_listeners: list[Callable[[BackendEnum], None]] = []
+# Another project's enum class -> the family whose members its members stand for.
+_ALIASES: dict[type[Any], BackendFamily] = {}
 
 
 class BackendEnumMeta(EnumMeta):
@@ -61,7 +77,7 @@ class BackendEnumMeta(EnumMeta):
             raise family_of(cls).unknown(name) from None
 
     def __iter__(cls) -> Iterator[Any]:
-        return iter(tuple(cls._member_map_.values()))
+        return iter(snapshot(lambda: tuple(cls._member_map_.values())))
 
 
 class BackendEnum(Enum, metaclass=BackendEnumMeta):
@@ -81,6 +97,12 @@ class BackendEnum(Enum, metaclass=BackendEnumMeta):
     def _missing_(cls, value: object) -> Any:
         # Enum("...") looks members up by default class path.
         raise family_of(cls).unknown(value, looked_up="class path")
+
+    @property
+    def is_runtime(self) -> bool:
+        """True for a member added at runtime (``register``, ``register_backend("NAME")``,
+        ``ATTN_DI_REGISTRATIONS``), False for one declared in the enum."""
+        return self._name_ not in family_of(self).builtin
 
     @property
     def default_path(self) -> str | None:
@@ -182,11 +204,11 @@ class BackendFamily:
     # -- reading (snapshots: safe while other threads add members) ----------------------
     def names(self) -> tuple[str, ...]:
         """Every member name, in enum order."""
-        return tuple(self.enum._member_map_)
+        return snapshot(lambda: tuple(self.enum._member_map_))
 
     def members(self) -> tuple[Any, ...]:
         """Every member, in enum order."""
-        return tuple(self.enum._member_map_.values())
+        return snapshot(lambda: tuple(self.enum._member_map_.values()))
 
     def runtime_members(self) -> list[Any]:
         """The members added at runtime, oldest first."""
@@ -199,6 +221,7 @@ class BackendFamily:
         Raises:
             UnknownBackendError: anything else (a ValueError), with the closest name.
         """
+        key = native_member(key)
         if isinstance(key, self.enum):
             return key
         member = self.enum._member_map_.get(key) if isinstance(key, str) else None
@@ -228,7 +251,8 @@ class BackendFamily:
         if member is not None:
             return member
         folded = text.upper()
-        matches = [m for key, m in tuple(members.items()) if key.upper() == folded]
+        items = snapshot(lambda: tuple(members.items()))
+        matches = [m for key, m in items if key.upper() == folded]
         if len(matches) > 1:
             error = self.unknown(name)
             error.suggestion = None
@@ -247,6 +271,7 @@ class BackendFamily:
             UnknownBackendError: an unknown name, with the closest suggestion.
             InvalidBackendTypeError: neither a string nor a member.
         """
+        name = native_member(name)
         if name is None or isinstance(name, self.enum):
             return name
         if not isinstance(name, str):
@@ -280,6 +305,21 @@ class BackendFamily:
             InvalidBackendTypeError: not a string.
             InvalidBackendNameError: not an identifier, reserved, or already a member.
         """
+        self.check_name_form(name)
+        assert isinstance(name, str)
+        if name in self.enum._member_map_:
+            raise InvalidBackendNameError(
+                name, "already exists", existing=name, enum=self.enum.__name__
+            )
+        return name
+
+    def check_name_form(self, name: object) -> str:
+        """Validate what a runtime member's name may be, whether or not it exists yet.
+
+        Raises:
+            InvalidBackendTypeError: not a string.
+            InvalidBackendNameError: not an identifier, starts with ``_``, or reserved.
+        """
         if not isinstance(name, str):
             raise InvalidBackendTypeError("name", name, "a member name string")
         if not name.isidentifier() or keyword.iskeyword(name):
@@ -288,11 +328,7 @@ class BackendFamily:
             raise InvalidBackendNameError(
                 name, "names starting with '_' are reserved", enum=self.enum.__name__
             )
-        if name in self.enum._member_map_:
-            raise InvalidBackendNameError(
-                name, "already exists", existing=name, enum=self.enum.__name__
-            )
-        if name in self.reserved:
+        if name in self.reserved and name not in self.enum._member_map_:
             raise InvalidBackendNameError(
                 name,
                 f"it would shadow an attribute of {self.enum.__name__} or of a container",
@@ -303,36 +339,80 @@ class BackendFamily:
     def add_member(self, name: str, class_path: str, default_cls: object = None) -> Any:
         """Add a runtime member valued ``class_path`` (see :meth:`BackendEnum.register`).
 
+        The member and its providers in every container appear together: a thread that
+        sees the name in the enum finds its providers too.
+
         Args:
             default_cls: the class the path names, when already at hand (a decorated class,
                 possibly defined in a function): containers resolve to it without importing.
 
         Raises:
             InvalidBackendNameError, InvalidClassPathError, InvalidBackendTypeError: nothing
-                changes.
+                changes. So does an error raised by a warning (``-W error``: a name that
+                differs from another only by case) or by a listener of the change.
+        """
+        member, created = self.ensure_member(name, class_path, default_cls, exist_ok=False)
+        assert created
+        self.announce_member(member)
+        return member
+
+    def ensure_member(
+        self, name: str, class_path: str, default_cls: object = None, *, exist_ok: bool = True
+    ) -> tuple[Any, bool]:
+        """The member named ``name``, created (valued ``class_path``) if there is none:
+        ``(member, created)``. Atomic: of threads ensuring one name at once, one creates it
+        and the others get that member. Listeners of registration changes are not told
+        (the caller does, with :meth:`announce_member` or its own notification).
+
+        Warns (before anything changes) when the new name differs from another only by case.
+
+        Raises:
+            InvalidBackendNameError: a name a member cannot have; with ``exist_ok=False``,
+                also a name that exists ("already exists"). Nothing changes.
+            InvalidClassPathError, InvalidBackendTypeError: nothing changes.
         """
         if not isinstance(class_path, str):
             raise InvalidBackendTypeError("class_path", class_path, "a dotted path string")
         if default_cls is None:  # a class at hand may live in a function (a ``<locals>`` path)
             check_class_path(class_path)
         with REGISTRY_LOCK:
+            existing = self.enum._member_map_.get(name) if isinstance(name, str) else None
+            if existing is not None and exist_ok:
+                return existing, False
             self.check_new_name(name)
             upper = name.upper()
-            same = [n for n in self.names() if n.upper() == upper]  # a snapshot, not the dict
-            member = self._add(name, class_path)
+            same = [n for n in self.names() if n.upper() == upper]
+            if same:  # decided before the change: an error filter leaves nothing behind
+                warnings.warn(
+                    f"new {self.label} {name!r} differs from {same[0]!r} only by case",
+                    AttnDIWarning,
+                    stacklevel=user_stacklevel(),
+                )
+            member = self._new(name, class_path)
             if default_cls is not None:
                 member._default_cls_ = default_cls
-            for listener in list(_new_listeners):
-                listener(member)
-        if same:
-            warnings.warn(
-                f"new {self.label} {name!r} differs from {same[0]!r} only by case",
-                AttnDIWarning,
-                stacklevel=user_stacklevel(),
-            )
-        return member
+            try:
+                for listener in list(_new_listeners):
+                    listener(member)
+            except BaseException:
+                for listener in list(_removed_listeners):
+                    listener(member)
+                raise
+            self._publish(member)
+        return member, True
 
-    def remove_member(self, member: BackendEnum) -> None:
+    def announce_member(self, member: BackendEnum) -> None:
+        """Tell the listeners of registration changes that ``member`` was created; if one
+        raises (a warning turned into an error), the member is removed again and the error
+        re-raised."""
+        try:
+            notify_registrations_changed(None)
+        except BaseException:
+            self.remove_member(member, notify=False)
+            notify_quietly(None)
+            raise
+
+    def remove_member(self, member: BackendEnum, *, notify: bool = True) -> None:
         """Remove a runtime member and its providers (test isolation; built-ins are kept).
 
         A member already removed by hand (as vLLM's tests do) only loses its providers.
@@ -355,13 +435,20 @@ class BackendFamily:
                 del cls._value2member_map_[member._value_]
             for listener in list(_removed_listeners):
                 listener(member)
+        if notify:
+            notify_registrations_changed(None)
 
-    def _add(self, name: str, class_path: str) -> Any:
-        cls = self.enum
-        member = object.__new__(cls)
+    def _new(self, name: str, class_path: str) -> Any:
+        """A member object, not yet in the enum's tables (see :meth:`_publish`)."""
+        member = object.__new__(self.enum)
         member._name_ = name
         member._value_ = class_path
-        member._sort_order_ = len(cls._member_names_)  # type: ignore[attr-defined]
+        member._sort_order_ = len(self.enum._member_names_)  # type: ignore[attr-defined]
+        return member
+
+    def _publish(self, member: Any) -> None:
+        """Put a member made by :meth:`_new` into the enum's tables."""
+        cls, name, class_path = self.enum, member._name_, member._value_
         add_member = getattr(cls, "_add_member_", None)  # Python >= 3.13
         if add_member is not None:
             add_member(name, member)
@@ -372,7 +459,6 @@ class BackendFamily:
         stale = cls._value2member_map_.get(class_path)
         if stale is None or cls._member_map_.get(stale._name_) is not stale:
             cls._value2member_map_[class_path] = member
-        return member
 
     def __repr__(self) -> str:
         return f"<BackendFamily {self.key}: {self.enum.__name__}>"
@@ -404,14 +490,102 @@ def families() -> tuple[BackendFamily, ...]:
     return tuple(_FAMILIES.values())
 
 
-def on_new_member(listener: Callable[[Any], None]) -> None:
-    """Call ``listener(member)`` (under the registry lock) for every runtime member added."""
+def on_member_added(listener: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``listener(member)`` (under the registry lock) for every runtime member added,
+    before the member is in the enum's tables (so that a thread finding the name there finds
+    what the listeners made for it too); if a listener raises, the member is not added and
+    the removal listeners are called for it.
+
+    Returns:
+        A function that unsubscribes ``listener`` (a no-op once done).
+    """
     _new_listeners.append(listener)
+    return lambda: _discard(_new_listeners, listener)
 
 
-def on_removed_member(listener: Callable[[Any], None]) -> None:
-    """Call ``listener(member)`` (under the registry lock) for every runtime member removed."""
+def on_member_removed(listener: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``listener(member)`` (under the registry lock) for every runtime member removed.
+
+    Returns:
+        A function that unsubscribes ``listener`` (a no-op once done).
+    """
     _removed_listeners.append(listener)
+    return lambda: _discard(_removed_listeners, listener)
+
+
+def register_enum_alias(foreign_enum: type[Enum], native_enum: type[BackendEnum]) -> None:
+    """Accept the members of ``foreign_enum`` wherever attn_di takes a member of ``native_enum``.
+
+    Another project's enum of the same backends (vLLM's ``AttentionBackendEnum``) then works
+    as a key: ``container.backend(vllm_member)``, ``override(vllm_member, impl)``,
+    ``register_backend(vllm_member, path)``, ``parse_backend_name``, ``select_backend``.
+    A foreign member stands for the native member of the same name; a name the native enum
+    lacks becomes a runtime member of it (valued by the foreign member's value, a dotted
+    class path) the first time the foreign member is used. Registering the same foreign
+    enum again replaces its native enum.
+
+    Args:
+        foreign_enum: an :class:`enum.Enum` subclass whose member names are backend names.
+        native_enum: :class:`~attn_di.AttentionBackendEnum` or
+            :class:`~attn_di.MambaAttentionBackendEnum` (any attn_di backend enum).
+
+    Raises:
+        InvalidBackendTypeError: ``foreign_enum`` is not an Enum class, is an attn_di
+            enum, or ``native_enum`` is not an attn_di backend enum.
+    """
+    if not isinstance(foreign_enum, type) or not issubclass(foreign_enum, Enum):
+        raise InvalidBackendTypeError("foreign_enum", foreign_enum, "an Enum class")
+    if foreign_enum in _FAMILIES:
+        raise InvalidBackendTypeError(
+            "foreign_enum", foreign_enum, "another project's enum, not an attn_di enum"
+        )
+    family = _FAMILIES.get(native_enum) if isinstance(native_enum, type) else None
+    if family is None:
+        raise InvalidBackendTypeError(
+            "native_enum", native_enum, "an attn_di backend enum (AttentionBackendEnum, ...)"
+        )
+    with REGISTRY_LOCK:
+        _ALIASES[foreign_enum] = family
+
+
+def unregister_enum_alias(foreign_enum: type[Enum]) -> None:
+    """Stop accepting ``foreign_enum``'s members (no-op if it was not registered).
+
+    Runtime members created for its names stay (remove them like any runtime member)."""
+    with REGISTRY_LOCK:
+        _ALIASES.pop(foreign_enum, None)
+
+
+def native_member(key: Any) -> Any:
+    """``key`` itself, or for a member of an enum registered with :func:`register_enum_alias`,
+    the native member of the same name (created as a runtime member on first use).
+
+    Raises:
+        BackendNotRegisteredError: the native enum lacks the name and the foreign member has
+            no class path to create it with (a placeholder such as CUSTOM).
+        InvalidBackendNameError, InvalidClassPathError: the name or path cannot make a member.
+    """
+    family = _ALIASES.get(type(key))
+    if family is None:
+        return key
+    name = key.name
+    member = family.enum._member_map_.get(name)
+    if member is not None:
+        return member
+    value = key.value
+    if not isinstance(value, str) or not value:
+        raise BackendNotRegisteredError(name, family.enum.__name__)
+    with REGISTRY_LOCK:
+        member = family.enum._member_map_.get(name)
+        if member is None:
+            member = family.add_member(name, value)
+    return member
+
+
+def _discard(listeners: list[Callable[[Any], None]], listener: Callable[[Any], None]) -> None:
+    with REGISTRY_LOCK:
+        if listener in listeners:
+            listeners.remove(listener)
 
 
 def _member_by_name(enum: type[BackendEnum], name: str) -> BackendEnum:

@@ -89,7 +89,9 @@ def import_class_path(class_path: str, member: str) -> Any:
                 ) from exc  # fmt: skip
             first_missing = first_missing or exc
             continue
-        except Exception as exc:
+        except KeyboardInterrupt:  # the user asked to stop
+            raise
+        except BaseException as exc:  # SystemExit too: importing a backend never ends the host
             raise BackendImportError(
                 member, class_path, BackendImportError.MODULE_FAILED, f"{type(exc).__name__}: {exc}"
             ) from exc

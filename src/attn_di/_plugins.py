@@ -6,8 +6,10 @@ that registers backends (``register_backend(...)``, runtime members included).
 allowlist, and records which distribution provided which registrations
 (:func:`plugin_report`, shown by ``attn-di list``). A plugin that raises, anything
 including ``SystemExit`` and other ``BaseException``s, is logged with its traceback and
-reported as failed; its partial registrations, new members and the override layers it
-opened are rolled back; the others still load, and it is not run again. A
+reported as failed; its partial registrations, new members, the override layers it
+opened and what it changed through dependency-injector itself (provider and container
+overrides, the configuration, wiring) are rolled back; the others still load, and it is
+not run again. A
 ``KeyboardInterrupt`` is rolled back and recorded the same way, then re-raised (the user
 asked to stop): the plugins not reached yet are named in a warning and load at the next
 :func:`load_plugins`.
@@ -24,14 +26,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from traceback import format_exception
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from attn_di._container import BackendContainer
 from attn_di._default import get_container
 from attn_di._family import BackendEnum, families, family_of
 from attn_di._propagation import PLUGINS_ENV
 from attn_di._provider import BackendProvider, Layer, Target
-from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK, notify_registrations_changed
+from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK, notify_quietly
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -234,6 +236,7 @@ def _load(entry_point: EntryPoint, container: BackendContainer) -> PluginRecord:
     members_before = {m for family in families() for m in family.runtime_members()}
     layers_before = {p: list(p._layers) for p in container.all_providers()}
     local_before = LOCAL_LAYERS.get()
+    di_before = _DIState.of(container)
     where = _distribution(entry_point)[0] or "an unknown distribution"
     try:
         plugin = entry_point.load()
@@ -241,7 +244,7 @@ def _load(entry_point: EntryPoint, container: BackendContainer) -> PluginRecord:
             raise TypeError(f"{entry_point.value} is not callable: {plugin!r}")
         plugin()
     except BaseException as error:  # SystemExit and friends too: a plugin never ends the host
-        _roll_back(container, before, members_before, layers_before, local_before)
+        _roll_back(container, before, members_before, layers_before, local_before, di_before)
         logger.error(
             "attn_di plugin %r from %s failed; its registrations, members and overrides "
             "were rolled back",
@@ -293,17 +296,68 @@ def _attribute(container: BackendContainer, before: dict[str, Target | None]) ->
     return tuple(names)
 
 
+class _DIState:
+    """What dependency-injector itself holds for a container, to restore after a failed
+    plugin: every provider's override stack (``container.CPU_ATTN.override(...)``,
+    ``container.candidates.override(...)``, ``container.attention.from_dict(...)``, which
+    overrides the configuration), the container overrides (``container.override(other)``)
+    of the container and its sub-containers, and the modules and packages it is wired to."""
+
+    def __init__(self, container: BackendContainer) -> None:
+        self.container: Any = container  # dependency-injector's own API is untyped
+        self.containers: list[Any] = [sub for _, sub in container._families()]
+        self.container_stacks = [tuple(sub.overridden) for sub in self.containers]
+        every: list[Any] = list(self.container.traverse())
+        self.provider_stacks = {provider: tuple(provider.overridden) for provider in every}
+        self.modules = list(container.wired_to_modules)
+        self.packages = list(container.wired_to_packages)
+
+    @classmethod
+    def of(cls, container: BackendContainer) -> _DIState:
+        """The state of ``container`` now."""
+        return cls(container)
+
+    def restore(self) -> None:
+        """Undo every override and wiring made since :meth:`of` (and re-apply any the plugin
+        removed), container overrides first (they override providers themselves)."""
+        for sub, stack in zip(self.containers, self.container_stacks, strict=True):
+            while len(sub.overridden) > len(stack) or _diverged(sub.overridden, stack):
+                sub.reset_last_overriding()
+            for overriding in stack[len(sub.overridden) :]:
+                sub.override(overriding)
+        every: list[Any] = list(self.container.traverse())
+        for provider in every:
+            stack = self.provider_stacks.get(provider, ())
+            while len(provider.overridden) > len(stack) or _diverged(provider.overridden, stack):
+                provider.reset_last_overriding()
+            for overriding in stack[len(provider.overridden) :]:
+                provider.override(overriding)
+        container = self.container
+        if container.wired_to_modules != self.modules or container.wired_to_packages != (
+            self.packages
+        ):
+            container.unwire()
+            if self.modules or self.packages:
+                container.wire(modules=self.modules, packages=self.packages)
+
+
+def _diverged(current: tuple[object, ...], kept: tuple[object, ...]) -> bool:
+    """Whether ``current`` is not a prefix of ``kept`` (compared by identity)."""
+    return any(a is not b for a, b in zip(current, kept, strict=False))
+
+
 def _roll_back(
     container: BackendContainer,
     before: dict[str, Target | None],
     members_before: set[BackendEnum],
     layers_before: dict[BackendProvider, list[tuple[Layer, Target]]],
     local_before: tuple[Layer, ...],
+    di_before: _DIState,
 ) -> None:
     for family in families():
         for member in family.runtime_members():
             if member not in members_before:
-                family.remove_member(member)
+                family.remove_member(member, notify=False)
     with REGISTRY_LOCK:
         for provider in container.all_providers():
             previous = before.get(_qualified(provider.member))
@@ -318,4 +372,7 @@ def _roll_back(
             if layer not in local_before:
                 layer.alive = False
     LOCAL_LAYERS.set(local_before)
-    notify_registrations_changed(container)  # the environment snapshot too
+    di_before.restore()
+    # The environment snapshot too, once everything is back (a warning raised as an error
+    # there must not stop the rollback half-way).
+    notify_quietly(None)

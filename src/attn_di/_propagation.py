@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from attn_di._container import BackendContainer
+from attn_di._container import BackendContainer, warn_unexportable
 from attn_di._default import get_container
 from attn_di._state import DEFAULT, REGISTRY_LOCK, on_registrations_changed, user_stacklevel
 from attn_di.exceptions import (
@@ -107,7 +107,16 @@ def set_auto_propagation(enabled: bool) -> bool:
         raise InvalidBackendTypeError("enabled", enabled, "True or False")
     previous = swap_auto_propagation(enabled)
     if enabled:
-        _refresh(None)
+        before = os.environ.get(REGISTRATIONS_ENV)
+        try:
+            _refresh(None)
+        except BaseException:  # a warning turned into an error: as before the call
+            swap_auto_propagation(previous)
+            if before is None:
+                os.environ.pop(REGISTRATIONS_ENV, None)
+            else:
+                os.environ[REGISTRATIONS_ENV] = before
+            raise
     return previous
 
 
@@ -295,8 +304,13 @@ def apply_inherited_registrations() -> None:
         raise RegistrationsEnvError(REGISTRATIONS_ENV, encoded, reason)
     try:
         get_container().apply_registrations(snapshot)
-    except AttnDIError as error:
-        raise RegistrationsEnvError(REGISTRATIONS_ENV, encoded, error.message()) from error
+    except BaseException as error:
+        # Creating the default container rewrote the variable (automatic propagation): a
+        # refused value stays as it was inherited, for every later import to refuse too.
+        os.environ[REGISTRATIONS_ENV] = encoded
+        if isinstance(error, AttnDIError):
+            raise RegistrationsEnvError(REGISTRATIONS_ENV, encoded, error.message()) from error
+        raise
 
 
 def encode_snapshot(snapshot: Mapping[str, str]) -> str:
@@ -315,25 +329,29 @@ def _refresh(container: object) -> None:
     default = DEFAULT.current
     if default is None or (container is not None and container is not default):
         return
-    with REGISTRY_LOCK:  # export and write together: the last writer has the newest state
-        snapshot = default.export_registrations(strict=False)
+    # Export and write together (the last writer has the newest state), warn after: a warning
+    # an error filter turns into an exception never leaves the variable stale.
+    with REGISTRY_LOCK:
+        snapshot, skipped = default._export(strict=False)
         encoded = encode_snapshot(snapshot) if snapshot else ""
-        if len(encoded) > AUTO_LIMIT:
+        too_large = len(encoded) > AUTO_LIMIT
+        if too_large:
             # Past the OS limit on one variable, every subprocess would fail to start.
             os.environ.pop(REGISTRATIONS_ENV, None)
-            if not _warned_too_large:
-                _warned_too_large.append(True)
-                warnings.warn(
-                    f"{REGISTRATIONS_ENV} would hold {len(encoded)} bytes of registrations "
-                    f"(over {AUTO_LIMIT}): worker processes no longer inherit them; hand "
-                    "workers export_registrations() yourself (a pool initializer)",
-                    UnexportableBackendWarning,
-                    stacklevel=user_stacklevel(),
-                )
         elif encoded:
             os.environ[REGISTRATIONS_ENV] = encoded
         else:
             os.environ.pop(REGISTRATIONS_ENV, None)
+    warn_unexportable(skipped)
+    if too_large and not _warned_too_large:
+        warnings.warn(
+            f"{REGISTRATIONS_ENV} would hold {len(encoded)} bytes of registrations "
+            f"(over {AUTO_LIMIT}): worker processes no longer inherit them; hand "
+            "workers export_registrations() yourself (a pool initializer)",
+            UnexportableBackendWarning,
+            stacklevel=user_stacklevel(),
+        )
+        _warned_too_large.append(True)
 
 
 on_registrations_changed(_refresh)

@@ -182,6 +182,11 @@ class BackendProvider(providers.Provider[Any]):
                 return target
         return self.global_target()
 
+    @property
+    def registered_target(self) -> Target | None:
+        """The registration's target (what ``register_backend`` set), or None."""
+        return self._registered
+
     def global_target(self) -> Target | None:
         """The newest global layer's target, else the registration, else the default."""
         layers = self._layers

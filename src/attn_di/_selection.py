@@ -529,7 +529,9 @@ def _candidates(
         return [_as_member(candidate) for candidate in candidates]
     except AttnDIError:
         raise
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit too: a policy never ends the host
         raise InvalidInputError(
             "candidate policy",
             f"{policy!r} failed for {device}: {type(exc).__name__}: {exc}",
@@ -571,7 +573,9 @@ def _check(
     try:
         found = validate(**config.validation_kwargs(device))
         reasons = [found] if isinstance(found, str) else [str(reason) for reason in found]
-    except Exception as exc:  # a broken backend is a rejection, not a crash of selection
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a broken backend (SystemExit too) is a rejection
         return None, [f"validate_configuration raised {type(exc).__name__}: {exc}"]
     return (None, reasons) if reasons else (backend_cls, [])
 

@@ -8,11 +8,12 @@ run one way: names -> providers -> container -> selection -> default container -
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "DEFAULT",
@@ -20,10 +21,14 @@ __all__ = [
     "LOCAL_LAYERS",
     "REGISTRY_LOCK",
     "DefaultCell",
+    "notify_quietly",
     "notify_registrations_changed",
     "on_registrations_changed",
+    "snapshot",
     "user_stacklevel",
 ]
+
+_T = TypeVar("_T")
 
 REGISTRY_LOCK = threading.RLock()
 """Held by every change to the registry: member tables, registrations, override layers.
@@ -67,6 +72,26 @@ def notify_registrations_changed(container: Any) -> None:
     """Tell the listeners of :func:`on_registrations_changed` (called outside the lock)."""
     for listener in list(_listeners):
         listener(container)
+
+
+def snapshot(copy: Callable[[], _T]) -> _T:
+    """``copy()``, a one-call copy of a table other threads change (``tuple(dict)``), retried
+    if the table changed meanwhile. Copying is one C call, but a garbage collection during it
+    can run Python code (weakref callbacks) and so let another thread in, which makes the copy
+    raise ``RuntimeError: dictionary changed size during iteration``."""
+    while True:
+        try:
+            return copy()
+        except RuntimeError:
+            continue
+
+
+def notify_quietly(container: Any) -> None:
+    """:func:`notify_registrations_changed` after a rollback. Listeners write before they
+    warn, so an error a warning filter raises there (for the state being returned to, which
+    was warned about before) is dropped: the rollback's own error is the one to report."""
+    with contextlib.suppress(Exception):
+        notify_registrations_changed(container)
 
 
 def user_stacklevel() -> int:

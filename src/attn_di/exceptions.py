@@ -547,15 +547,16 @@ class MissingExtraError(AttnDIError, ImportError):
     """A module needs an optional dependency that is not installed.
 
     Attributes:
-        extra: the attn_di extra that installs it (``"transformers"``).
+        extra: the attn_di extra that installs it (``"transformers"``), or the package's
+            name where no extra can (``"vllm"``: it needs an environment of its own).
         module: the module that needs it.
     """
 
-    def __init__(self, extra: str, module: str) -> None:
+    def __init__(self, extra: str, module: str, hint: str | None = None) -> None:
         super().__init__(extra, module)
         self.extra = extra
         self.module = module
-        self.hint = install_hint(extra)
+        self.hint = hint or install_hint(extra)
 
     def message(self) -> str:
         return f"{self.module} needs the optional dependency {self.extra!r}, which is not installed"

@@ -1,4 +1,7 @@
-"""attn_di's pytest plugin, loaded by pytest through the ``pytest11`` entry point.
+"""attn_di's pytest plugin, loaded by pytest through the ``pytest11`` entry point ``attn_di``
+(the top-level module ``_attn_di_pytest``, which imports this one: if ``import attn_di``
+refuses an inherited ``ATTN_DI_REGISTRATIONS``, it stands in for this plugin, so only the tests
+that use attn_di's fixtures or marker fail, with attn_di's message, not every test suite).
 
 Fixtures:
 

@@ -23,6 +23,7 @@ from attn_di.exceptions import UnsupportedFeatureError
 from tests.backends.reference import (
     DIRTY_FILLS,
     KV_LAYOUTS,
+    Batch,
     Options,
     make_batch,
     reference_attention,
@@ -217,3 +218,57 @@ def test_cpu_attn_decode_path_matches(
     assert calls == [1]
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out.double(), reference_attention(opts, batch), atol=tol, rtol=tol)
+
+
+def _scores_below_half_range(batch: Batch, low: float = -800.0, high: float = 400.0) -> None:
+    """Make every real score of ``batch`` exactly -80000 or +40000 (head size 64): queries
+    become 800 on channel 0 and 0 elsewhere; a key's channel 0 becomes ``low`` or ``high``
+    by the sign of its channel 1 (the cache's NaN slots keep NaN elsewhere). A query that
+    sees only low keys scores below float16's -65504, so a mask of ``finfo(float16).min``
+    would let a masked slot win (a zeroed tail scores -65504; a high key hidden by causality
+    -25504). The exact answer, the mean of the visible values of the highest score, is free
+    of rounding in the scores."""
+
+    def channel_0(keys: torch.Tensor) -> None:
+        keys[..., 0] = torch.where(keys[..., 1] < 0, low, high).to(keys.dtype)
+
+    batch.query.zero_()
+    batch.query[..., 0] = -low
+    channel_0(batch.key)
+    channel_0(batch.kv_cache[0])
+    for keys in batch.full_keys:
+        channel_0(keys)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [([1, 1, 1, 1], [40, 1, 100, 17]), ([7, 1, 3, 16], [7, 20, 12, 45])],
+    ids=["ragged-decode", "mixed"],
+)
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-chunk", "many-chunks"])
+def test_float16_scores_below_the_dtype_minimum_stay_masked(
+    backend_cls: type[AttentionBackend],
+    monkeypatch: pytest.MonkeyPatch,
+    query_lens: list[int],
+    seq_lens: list[int],
+    chunk_bytes: int | None,
+) -> None:
+    """In float16, real scores lower than -65504 (scores accumulate in float32) still beat
+    every masked slot: masks have -inf semantics on every path, as the compiled kernel's."""
+    from attn_di.backends import cpu_attn
+
+    if chunk_bytes is not None:  # many key chunks: some rows see no key in a chunk at all
+        monkeypatch.setattr(cpu_attn, "_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(cpu_attn, "_DECODE_CHUNK_BYTES", chunk_bytes)
+    opts = Options(num_heads=4, num_kv_heads=2, head_size=64)
+    if torch.float16 not in backend_cls.supported_dtypes:
+        pytest.skip(f"{backend_cls.get_name()} does not run float16")
+    batch = make_batch(opts, query_lens, seq_lens, 16, torch.float16)
+    _scores_below_half_range(batch)
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+
+    out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+    assert bool(out.isfinite().all())
+    reference = reference_attention(opts, batch)
+    torch.testing.assert_close(out.double(), reference, atol=5e-3, rtol=5e-3)

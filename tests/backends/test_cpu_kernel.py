@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -570,8 +571,14 @@ def test_damaged_build_is_rebuilt_and_force_rebuilds(
     with caplog.at_level(logging.WARNING, logger="attn_di.backends"):
         assert _cpu_kernel.build(isa) == library
 
-    assert fake_compile == [library]
+    (built,) = fake_compile  # built in a directory of its own, then renamed into place
+    assert built.name == library.name
+    assert built.parent != directory
     assert library.read_bytes() == b"rebuilt 0"
+    assert sorted(p.name for p in directory.parent.iterdir()) == [
+        directory.name,
+        f"{directory.name}.lock",
+    ]
     assert [r.getMessage() for r in caplog.records] == [
         f"building CPU_ATTN's kernel once (~20 s) into {directory}"
     ]
@@ -662,3 +669,87 @@ def test_compiled_cache_write_refuses_a_slot_outside_before_writing() -> None:
     with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 4 is outside the cache"):
         op(torch.ones(2, 1, 8), torch.ones(2, 1, 8), kv_cache[0], kv_cache[1], torch.tensor([0, 4]))
     assert not bool(kv_cache.any())
+
+
+_RACE_SCRIPT = """
+import sys, time
+from pathlib import Path
+from torch.utils import cpp_extension
+from attn_di.backends import _cpu_kernel
+
+log, go = Path(sys.argv[1]), Path(sys.argv[2])
+
+def load(*, name, build_directory, **kwargs):  # a compiler that takes a while
+    with log.open("a") as out:
+        out.write(f"compile {build_directory}\\n")
+    time.sleep(1.0)
+    library = Path(build_directory) / f"{name}.so"
+    library.write_bytes(b"built by %d" % len(log.read_text().splitlines()))
+    return str(library)
+
+cpp_extension.load = load
+while not go.exists():  # start together
+    time.sleep(0.01)
+print(_cpu_kernel.build("default"))
+"""
+
+
+def test_processes_building_at_once_build_once(tmp_path: Path) -> None:
+    """Six processes asking for one build in an empty cache at the same moment: one compiles,
+    the others wait for it and get the same library; nothing half-built is left behind."""
+    script = tmp_path / "race.py"
+    script.write_text(_RACE_SCRIPT)
+    log, go, cache = tmp_path / "compiles.log", tmp_path / "go", tmp_path / "cache"
+    env = {**os.environ, _cpu_kernel.ENV_CACHE: str(cache), "CXX": sys.executable}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(log), str(go)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(6)
+    ]
+    time.sleep(1.0)  # let every process get to the start line
+    go.touch()
+    results = [process.communicate(timeout=300) for process in processes]
+    assert [process.returncode for process in processes] == [0] * 6, results
+    libraries = {stdout.strip() for stdout, _ in results}
+    assert len(libraries) == 1
+    (library,) = (Path(path) for path in libraries)
+    assert len(log.read_text().splitlines()) == 1
+    assert library.read_bytes() == b"built by 1"
+    assert sorted(p.name for p in cache.iterdir()) == [
+        library.parent.name,
+        f"{library.parent.name}.lock",
+    ]
+
+
+def test_processes_starting_together_all_get_the_kernel(tmp_path: Path) -> None:
+    """Three processes using CPU_ATTN's kernel for the first time on an empty cache: all end
+    with the compiled kernel, built once (the real compiler; about 20 s)."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler")
+    env = {**os.environ, _cpu_kernel.ENV_CACHE: str(tmp_path / "cache")}
+    env.pop(_cpu_kernel.ENV_SWITCH, None)
+    code = (
+        "from attn_di.backends import _cpu_kernel\nprint(_cpu_kernel.kernel_status().describe())\n"
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    results = [process.communicate(timeout=600) for process in processes]
+    assert [stdout.strip() for stdout, _ in results] == [
+        f"compiled kernel ({_cpu_kernel._native_isa()})"
+    ] * 3, results
+    stderr = "".join(err for _, err in results)
+    assert stderr.count("building CPU_ATTN's kernel once") == 1, stderr
+    assert "KernelUnavailableWarning" not in stderr

@@ -12,7 +12,7 @@ from pytest_mock import MockerFixture
 from attn_di.backend import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
 from attn_di.backends.cpu_attn import CPUAttentionImpl
 from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
-from tests.backends.reference import Batch, Options, differs, make_batch
+from tests.backends.reference import Batch, Options, differs, make_batch, reference_attention
 
 
 @pytest.fixture(name="opts")
@@ -638,3 +638,51 @@ def test_cache_in_a_graph_is_accepted(
 
     assert key.grad is not None
     assert bool(key.grad.isfinite().all())
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_query_len", 1, "max_query_len: 1 is less than the longest query length 4"),
+        ("max_query_len", 0, "max_query_len: 0 is less than the longest query length 4"),
+        ("max_seq_len", 3, "max_seq_len: 3 is less than the longest sequence length 9"),
+        ("max_query_len", 4.0, "max_query_len: must be a non-negative int"),
+        ("causal", "False", "causal: must be True or False"),
+    ],
+)
+@pytest.mark.parametrize("edit", ["built", "in place"])
+def test_metadata_lengths_disagreeing_with_the_indices_are_refused(
+    backend_cls: type[AttentionBackend],
+    opts: Options,
+    field: str,
+    value: object,
+    message: str,
+    edit: str,
+) -> None:
+    """A stale max_query_len or max_seq_len, below the longest length (or a causal flag that
+    is not a bool), is refused, at the first call or after the metadata passed a check: a
+    backend choosing its path by it would otherwise compute silently wrong (CPU_ATTN's
+    kernel is causal)."""
+    batch = make_batch(opts, [3, 4], [5, 9], 16, torch.float32)
+    batch.metadata.causal = False
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    args = (batch.query, batch.key, batch.value, batch.kv_cache)
+    if edit == "in place":
+        impl.forward(None, *args, batch.metadata)  # checked and remembered
+    setattr(batch.metadata, field, value)
+    before = batch.kv_cache.clone()
+    with pytest.raises(InvalidInputError, match=message):
+        impl.forward(None, *args, batch.metadata)
+    assert not bool(differs(batch.kv_cache, before).any())
+
+
+@pytest.mark.parametrize(("field", "bound"), [("max_query_len", 20), ("max_seq_len", 64)])
+def test_a_larger_length_bound_is_accepted_and_exact(
+    backend_cls: type[AttentionBackend], opts: Options, field: str, bound: int
+) -> None:
+    """max_query_len / max_seq_len above the longest length is a bound (as flash-attention's
+    max_seqlen is): accepted, and the answer is the reference's."""
+    batch = make_batch(opts, [3, 4, 1], [5, 9, 12], 16, torch.float32)
+    setattr(batch.metadata, field, bound)
+    out = _forward(backend_cls, opts, batch)
+    torch.testing.assert_close(out.double(), reference_attention(opts, batch), atol=1e-4, rtol=1e-4)

@@ -755,3 +755,64 @@ def test_an_unregistered_custom_hints_at_register() -> None:
         "register a class for it in this run: --register CUSTOM=pkg.module:Class "
         "(or --import a module that registers it)"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--import", "../evil", "list"], "--import: '../evil' is not a module name"),
+        (["--import", "", "list"], "--import: an empty name is not a module name"),
+        (["list", "--import", ".hidden"], "--import: '.hidden' is not a module name"),
+        (["--import", "a b", "list"], "--import: 'a b' is not a module name"),
+        (["run", "--seed", "99999999999999999999999"], "--seed: must be in [0, 2**64 - 1]"),
+        (["run", "--seed", "-1"], "--seed: must be in [0, 2**64 - 1]"),
+        (["run", "--iters", "99999999999999999999"], "--iters: must be at most 10,000"),
+    ],
+)
+def test_every_bad_argument_is_one_line(args: list[str], message: str) -> None:
+    """Module names that are paths or empty, seeds outside torch's range, absurd iteration
+    counts: one ``attn-di: error:`` line and a hint, exit 2, never a traceback."""
+    result = attn_di(*args)
+    assert result.returncode == 2, result.stderr
+    error, _ = error_and_hint(result)
+    assert error.startswith(message), error
+
+
+def test_a_path_given_to_import_hints_at_the_module_name() -> None:
+    """``--import ../pkg/mod.py`` hints at ``--import mod``."""
+    result = attn_di("--import", "../pkg/my_mod.py", "list")
+    assert error_and_hint(result)[1].endswith("pass --import my_mod")
+
+
+@pytest.mark.parametrize(
+    ("source", "reason"),
+    [("raise RuntimeError('boom')", "RuntimeError: boom"), ("raise SystemExit(0)", "SystemExit")],
+)
+def test_a_module_that_fails_at_import_is_one_line(
+    tmp_path: Path, source: str, reason: str
+) -> None:
+    """--import of a module raising (SystemExit(0) too) at import: one line, exit 2."""
+    (tmp_path / "failing_at_import.py").write_text(source + "\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "attn_di", "--import", "failing_at_import", "list"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    error = error_and_hint(result)[0]
+    assert error.startswith(f"--import: importing 'failing_at_import' raised {reason}"), error
+
+
+def test_a_backend_module_that_exits_at_import_is_listed_as_not_importing(tmp_path: Path) -> None:
+    """A registered backend whose module raises SystemExit(0) at import: ``attn-di list``
+    shows every member and that one as not importing, and exits 0 with its output."""
+    (tmp_path / "exits_at_import.py").write_text("raise SystemExit(0)\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "attn_di", "--register", "EXITING=exits_at_import:Backend",
+         "list", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    records = {record["name"]: record for record in json.loads(result.stdout)["members"]}
+    assert records["EXITING"]["imports"] is False
+    assert "SystemExit" in records["EXITING"]["error"]
+    assert records["CPU_ATTN"]["imports"] is True

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import gc
+import threading
 from typing import Any
 
 import pytest
@@ -299,3 +302,194 @@ def test_the_layers_of_a_step_check_its_metadata_once(
             input_ids=step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), cache=cache
         )
     assert spy.call_count == 2
+
+
+# -- a step is all or nothing ----------------------------------------------------------------
+class _FailOnce:
+    """A forward hook (or pre-hook) that raises ``error`` the first time it runs."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error: BaseException | None = error
+
+    def __call__(self, *args: Any) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
+def _where(model: transformers.PreTrainedModel, where: str, error: BaseException) -> Any:
+    """Arm a one-shot failure at ``where`` in ``model``; returns the hook handle."""
+    layers = model.model.layers
+    if where == "mlp of the last layer":
+        return layers[-1].mlp.register_forward_hook(_FailOnce(error))
+    if where == "between layers":
+        return layers[1].register_forward_pre_hook(_FailOnce(error))
+    if where == "after the last layer":
+        return model.lm_head.register_forward_hook(_FailOnce(error))
+    raise AssertionError(where)
+
+
+TOKENS = [[[9], [10]], [[11], [12]], [[13], [14]]]
+"""The tokens of the decode steps after the prompt, one per row."""
+
+
+def _step_inputs(index: int) -> dict[str, torch.Tensor]:
+    """Step ``index``'s model inputs: the prompt (0), then one token per row at a time."""
+    ids, mask = left_padded(PROMPTS)
+    if index == 0:
+        return {"input_ids": ids, "attention_mask": mask}
+    mask = torch.cat([mask, torch.ones(len(PROMPTS), index, dtype=mask.dtype)], dim=1)
+    return {"input_ids": torch.tensor(TOKENS[index - 1]), "attention_mask": mask}
+
+
+def _logits(model: transformers.PreTrainedModel, cache: Any, index: int) -> torch.Tensor:
+    with torch.no_grad():
+        logits: torch.Tensor = model(**_step_inputs(index), cache=cache).logits[:, -1]
+    return logits
+
+
+@pytest.mark.parametrize("step", [0, 2], ids=["prompt", "third-step"])
+@pytest.mark.parametrize(
+    ("where", "error"),
+    [
+        ("mlp of the last layer", RuntimeError("an MLP fails")),
+        ("between layers", KeyboardInterrupt()),
+        ("after the last layer", RuntimeError("a hook on lm_head fails")),
+    ],
+    ids=["mlp", "interrupt-between-layers", "after-last-layer"],
+)
+def test_a_failed_step_is_rolled_back_and_its_retry_matches_eager(
+    step: int, where: str, error: BaseException
+) -> None:
+    """A step that fails anywhere in the model's forward (an MLP, KeyboardInterrupt between
+    layers, a hook after the last layer), on a fresh model and cache too, leaves the cache as
+    it was; retrying the step gives eager's logits, and so do the steps after it."""
+    model = tiny_llama("attn_di:CPU_ATTN")
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    reference = transformers.DynamicCache()
+    expected = [_logits(eager, reference, index) for index in range(len(TOKENS) + 1)]
+    cache = PagedCache(model.config, block_size=2, fill_value=float("nan"))
+    for index, logits in enumerate(expected):
+        if index == step:
+            before = (cache.seq_lens, cache.get_seq_length(), cache.block_tables)
+            used = cache.num_blocks - cache.num_free_blocks
+            handle = _where(model, where, error)
+            with pytest.raises(type(error)):
+                _logits(model, cache, index)
+            handle.remove()
+            assert (cache.seq_lens, cache.get_seq_length(), cache.block_tables) == before
+            assert cache.num_blocks - cache.num_free_blocks == used  # a grown pool stays
+        torch.testing.assert_close(_logits(model, cache, index), logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_cache_built_for_another_model_is_refused() -> None:
+    """A PagedCache checks the model calling it, not the config it was built from: another
+    model's layout (more KV heads), or a model on another attention implementation, is
+    refused with attn_di's error, and the cache is left as it was."""
+    model = tiny_llama("attn_di:CPU_ATTN")
+    cache = PagedCache(model.config, block_size=2)
+    _logits(model, cache, 0)
+    before = (cache.seq_lens, cache.get_seq_length(), cache.block_tables)
+    wider = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4,
+    )  # fmt: skip
+    other = transformers.LlamaForCausalLM(wider).eval()
+    other.set_attn_implementation("attn_di:CPU_ATTN")
+    with pytest.raises(InvalidInputError, match="another model") as caught:
+        _logits(other, cache, 1)
+    assert "PagedCache(model.config)" in str(caught.value.hint)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with pytest.raises(InvalidInputError, match="'eager'"):
+        _logits(eager, cache, 1)
+    assert (cache.seq_lens, cache.get_seq_length(), cache.block_tables) == before
+    _logits(model, cache, 1)  # its own model still runs on it
+    assert cache.seq_lens == [before[0][0] + 1, before[0][1] + 1]
+
+
+def test_the_hook_path_is_held_only_until_the_first_step() -> None:
+    """A new cache keeps a no-op global forward pre-hook (torch then runs module hooks, so
+    the first forward's return is seen) until its first step; afterwards, or once the cache
+    is garbage, no global hook is left."""
+    from torch.nn.modules import module as torch_module
+
+    from attn_di.integrations.transformers import _scope
+
+    def global_hooks() -> int:
+        return sum(
+            hook is _scope._no_op for hook in torch_module._global_forward_pre_hooks.values()
+        )
+
+    model = tiny_llama("attn_di:CPU_ATTN")
+    assert global_hooks() == 0
+    cache = PagedCache(model.config)
+    unused = PagedCache(model.config)
+    assert global_hooks() == 1
+    _logits(model, cache, 0)
+    assert global_hooks() == 1  # the unused cache still holds it
+    del unused
+    gc.collect()
+    assert global_hooks() == 0
+    assert list(model._forward_hooks.values()) == [_scope._committed]
+
+
+def test_a_cache_in_a_step_in_another_thread_is_refused() -> None:
+    """One cache stepped by two threads at once: the second is refused while the first is
+    mid-step, and the first step completes unharmed."""
+    model = tiny_llama("attn_di:CPU_ATTN")
+    cache = PagedCache(model.config)
+    inside, resume = threading.Event(), threading.Event()
+
+    def pause(*args: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            inside.set()
+            resume.wait(timeout=60)
+
+    handle = model.model.layers[1].register_forward_pre_hook(pause)
+    results: list[torch.Tensor] = []
+    worker = threading.Thread(target=lambda: results.append(_logits(model, cache, 0)))
+    worker.start()
+    assert inside.wait(timeout=60)
+    try:
+        with pytest.raises(InvalidInputError, match="in the middle of a step in another thread"):
+            _logits(model, cache, 0)
+    finally:
+        resume.set()
+        worker.join(timeout=60)
+        handle.remove()
+    assert len(results) == 1
+    assert cache.seq_lens == [3, 6]
+
+
+def test_threads_stepping_their_own_caches_on_one_model_match_eager() -> None:
+    """Four threads run one model, each on its own PagedCache, at the same time: each
+    thread's steps are committed by the model's own forward, and every logit is eager's."""
+    model = tiny_llama("attn_di:CPU_ATTN")
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    reference = transformers.DynamicCache()
+    expected = [_logits(eager, reference, index) for index in range(len(TOKENS) + 1)]
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            cache = PagedCache(model.config, block_size=2)
+            barrier.wait()
+            for _ in range(3):
+                for index, logits in enumerate(expected):
+                    torch.testing.assert_close(
+                        _logits(model, cache, index), logits, atol=1e-4, rtol=1e-4
+                    )
+                cache.reset()
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert errors == []

@@ -13,12 +13,19 @@ import transformers
 from dependency_injector.wiring import Provide, inject
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.utils.generic import is_flash_attention_requested
 
 import attn_di.integrations.transformers as integration
-from attn_di import AttentionBackendEnum, BackendContainer, UnknownBackendError, force_backend
+from attn_di import (
+    AttentionBackendEnum,
+    BackendContainer,
+    UnknownBackendError,
+    force_backend,
+    register_backend,
+)
 from attn_di.backends.cpu_attn import CPUAttentionBackend, CPUAttentionImpl
 from attn_di.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl
-from attn_di.exceptions import InvalidInputError
+from attn_di.exceptions import AttnDIWarning, InvalidInputError
 from attn_di.integrations.transformers import (
     PagedCache,
     attention_settings,
@@ -117,6 +124,38 @@ def test_implementation_name_parses_members_and_refuses_typos() -> None:
     assert implementation_name(AttentionBackendEnum.TORCH_SDPA) == "attn_di:TORCH_SDPA"
     with pytest.raises(UnknownBackendError, match="CPU_ATTN"):
         implementation_name("CPU_ATN")
+
+
+def test_members_differing_only_by_case_each_run_their_own_backend(
+    calls: Callable[[], list[str]], new_name: Callable[[], str]
+) -> None:
+    """``MY_X`` and ``my_x`` (both valid members) get names of their own, and the name
+    implementation_name gives for each runs that member's backend, not the other's; a
+    lowercase ``flash`` in a name is kept away from transformers' flash-attention checks."""
+    upper = new_name()
+    lower = upper.lower()
+    flash = f"{lower}_flash"
+    register_backend(upper, f"{__name__}.RecordingCPUBackend")
+    with pytest.warns(AttnDIWarning, match="only by case"):
+        register_backend(lower, f"{__name__}.RecordingSDPABackend")
+    register_backend(flash, f"{__name__}.RecordingSDPABackend")
+    names = register()
+    assert implementation_name(upper) == f"attn_di:{upper}"
+    assert implementation_name(lower) == f"attn_di:{lower}"
+    assert implementation_name(flash) == f"attn_di:{lower}_f.lash"
+    assert {implementation_name(upper), implementation_name(lower)} <= set(names)
+    assert all("flash" not in name for name in names)
+    model = tiny_llama("eager")
+    for member, expected in ((upper, "recording-cpu"), (lower, "recording-sdpa")):
+        model.set_attn_implementation(implementation_name(member))
+        CALLS.clear()
+        _forward(model)
+        assert set(calls()) == {expected}
+    model.set_attn_implementation(implementation_name(flash))
+    assert not is_flash_attention_requested(model.config)
+    CALLS.clear()
+    _forward(model)
+    assert set(calls()) == {"recording-sdpa"}
 
 
 def test_container_override_swaps_attention_in_a_loaded_model(

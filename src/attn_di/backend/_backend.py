@@ -291,6 +291,20 @@ class AttentionBackend:
         return False
 
     @classmethod
+    def supports_sliding_window(cls) -> bool:
+        """Whether the impl runs sliding-window layers (its ``supports_sliding_window``)."""
+        try:
+            impl_cls = cls.get_impl_cls()
+        except NotImplementedError:
+            return False
+        return bool(getattr(impl_cls, "supports_sliding_window", False))
+
+    @classmethod
+    def supports_dcp(cls) -> bool:
+        """Whether the impl runs under decode context parallelism (never, in attn_di)."""
+        return False
+
+    @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         """Whether the impl runs ``attn_type`` (an :class:`AttentionType` or its string)."""
         return attn_type in cls.supported_attn_types
@@ -334,11 +348,27 @@ class AttentionBackend:
         use_sparse: bool,
         device_capability: DeviceCapability | None,
         attn_type: str = "decoder",
+        *,
+        use_mm_prefix: bool = False,
+        use_per_head_quant_scales: bool = False,
+        has_sliding_window: bool = False,
+        use_non_causal: bool = False,
+        use_batch_invariant: bool = False,
+        use_kv_connector: bool = False,
+        use_pcp: bool = False,
+        use_adaptive_verification: bool = False,
+        use_dcp: bool = False,
+        use_rswa: bool = False,
     ) -> list[str]:
         """Every reason this backend cannot run the configuration; empty when it can.
 
         Reason strings are vLLM's, in vLLM's order (``validate_configuration`` in
-        ``vllm/attention/backends/abstract.py``).
+        ``vllm/attention/backends/abstract.py``; the keyword-only flags are those vLLM 0.32
+        added in ``vllm/v1/attention/backend.py``, so
+        ``validate_configuration(device_capability=cap, **vllm_selector_config._asdict())``
+        works as it does for vLLM's own backends). attn_di's backends implement none of those
+        features but sliding windows, KV connectors and adaptive verification: a flag that is
+        set adds vLLM's reason for it.
 
         Args:
             head_size: the attention head size.
@@ -350,6 +380,19 @@ class AttentionBackend:
             use_sparse: whether the layer uses sparse attention.
             device_capability: the device's compute capability (None on CPU).
             attn_type: an :class:`AttentionType` or its string.
+            use_mm_prefix: multimodal prefix tokens attend bidirectionally.
+            use_per_head_quant_scales: per-head quantization scales of the KV cache.
+            has_sliding_window: the layer has a sliding window ("sliding window not
+                supported" unless :meth:`supports_sliding_window`).
+            use_non_causal: a non-causal decoder (prefix LM).
+            use_batch_invariant: batch-invariant kernels are asked for.
+            use_kv_connector: a KV connector moves the cache (supported).
+            use_pcp: prefill context parallelism.
+            use_adaptive_verification: speculative verification with device-trimmed query
+                lengths (supported: attn_di reads query lengths from ``query_start_loc``).
+            use_dcp: decode context parallelism ("DCP not supported" unless
+                :meth:`supports_dcp`).
+            use_rswa: reference sliding-window attention (R-SWA).
 
         Returns:
             Reason strings such as ``"head_size not supported"``.
@@ -363,16 +406,31 @@ class AttentionBackend:
             reasons.append("kv_cache_dtype not supported")
         if not cls.supports_block_size(block_size):
             reasons.append("block_size not supported")
+        if use_mm_prefix:
+            reasons.append("partial multimodal token full attention not supported")
         if use_mla != cls.is_mla():
             reasons.append("MLA not supported" if use_mla else "non-MLA not supported")
         if has_sink and not cls.supports_sink():
             reasons.append("sink setting not supported")
         if use_sparse != cls.is_sparse():
             reasons.append("sparse not supported" if use_sparse else "non-sparse not supported")
+        if use_per_head_quant_scales:
+            reasons.append("per-head quant scales not supported")
         if not cls.supports_compute_capability(device_capability):
             reasons.append("compute capability not supported")
         if not cls.supports_attn_type(attn_type):
             reasons.append(f"attention type {attn_type} not supported")
+        if has_sliding_window and not cls.supports_sliding_window():
+            reasons.append("sliding window not supported")
+        unsupported = (
+            (use_rswa, "R-SWA not supported"),
+            (use_non_causal, "non-causal attention not supported"),
+            (use_batch_invariant, "batch invariance not supported"),
+            (use_pcp, "PCP not supported"),
+            (use_dcp and not cls.supports_dcp(), "DCP not supported"),
+        )
+        reasons.extend(reason for flag, reason in unsupported if flag)
+        del use_kv_connector, use_adaptive_verification  # supported by every attn_di backend
         combination = cls.supports_combination(
             head_size,
             dtype,

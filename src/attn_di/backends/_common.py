@@ -177,6 +177,9 @@ def _metadata_stamp(
     return tensors, (
         tuple(t._version for t in tensors),
         metadata.num_actual_tokens,
+        metadata.max_query_len,
+        metadata.max_seq_len,
+        metadata.causal,
         num_tokens,
         uses_cache(impl),
         impl.num_kv_heads,
@@ -251,12 +254,22 @@ _METADATA_TENSORS = (
     ("block_table", 2, "[B, max_blocks]"),
     ("slot_mapping", 1, "[num_tokens]"),
 )
+# The metadata's ints besides its tensors, and what each one is.
+_METADATA_INTS = (
+    ("num_actual_tokens", "the number of real (unpadded) query tokens"),
+    ("max_query_len", "the longest query length in the batch"),
+    ("max_seq_len", "the longest sequence length in the batch"),
+)
 _INTEGER_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
 
 def _check_metadata_types(metadata: object) -> None:
     """Refuse metadata that is not :class:`AttentionMetadata`-shaped: wrong object, types, ranks."""
-    fields = ("num_actual_tokens", *(name for name, _, _ in _METADATA_TENSORS))
+    fields = (
+        *(name for name, _ in _METADATA_INTS),
+        *(name for name, _, _ in _METADATA_TENSORS),
+        "causal",
+    )
     missing = [name for name in fields if not hasattr(metadata, name)]
     if missing:
         raise InvalidInputError(
@@ -264,12 +277,20 @@ def _check_metadata_types(metadata: object) -> None:
             f"{type(metadata).__name__} is not AttentionMetadata (lacks {', '.join(missing)})",
             hint=_BUILD_HINT,
         )
-    actual = getattr(metadata, "num_actual_tokens")  # noqa: B009
-    if isinstance(actual, bool) or not isinstance(actual, int) or actual < 0:
+    for name, meaning in _METADATA_INTS:
+        number = getattr(metadata, name)
+        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+            raise InvalidInputError(
+                name,
+                f"must be a non-negative int, got {number!r} ({type(number).__name__})",
+                hint=f"attn_metadata.{name} is {meaning}; {_BUILD_HINT}",
+            )
+    causal = getattr(metadata, "causal")  # noqa: B009
+    if not isinstance(causal, bool):
         raise InvalidInputError(
-            "num_actual_tokens",
-            f"must be a non-negative int, got {actual!r} ({type(actual).__name__})",
-            hint="attn_metadata.num_actual_tokens is the number of real (unpadded) query tokens",
+            "causal",
+            f"must be True or False, got {causal!r} ({type(causal).__name__})",
+            hint="attn_metadata.causal is False for bidirectional (encoder) attention",
         )
     for name, rank, layout in _METADATA_TENSORS:
         tensor = getattr(metadata, name)
@@ -319,14 +340,16 @@ def _check_metadata(
             f"query has {num_tokens} tokens",
             hint="query_start_loc[-1] must equal num_actual_tokens, at most query.shape[0]",
         )
-    if not uses_cache(impl):
-        return
-    if bool((seq_lens.long() < q_lens).any()):
+    _check_longest(metadata, "max_query_len", q_lens)
+    if uses_cache(impl) and bool((seq_lens.long() < q_lens).any()):
         raise InvalidInputError(
             "seq_lens",
             f"{seq_lens.tolist()} shorter than query lengths {q_lens.tolist()}",
             hint="seq_lens count the cached prefix plus the query tokens of each sequence",
         )
+    _check_longest(metadata, "max_seq_len", seq_lens)
+    if not uses_cache(impl):
+        return
     if (
         kv_cache.dim() != 5
         or kv_cache.shape[0] != 2
@@ -401,6 +424,25 @@ def _check_metadata(
                 f"{tuple(kv_cache.shape)}",
                 hint=f"block numbers index the cache's axis 1: 0 <= block < {num_blocks}",
             )
+
+
+def _check_longest(metadata: AttentionMetadata, name: str, lengths: torch.Tensor) -> None:
+    """Refuse ``max_query_len`` / ``max_seq_len`` below the longest of ``lengths`` (the checked
+    indices). Backends choose their path by it (CPU_ATTN's kernel is causal; a single-token
+    batch takes it even when not causal), so a stale, smaller value would compute a silently
+    wrong answer; a larger one is a bound, as flash-attention's ``max_seqlen`` is, and only
+    keeps a batch off a path meant for shorter queries."""
+    longest = int(lengths.max()) if lengths.numel() else 0
+    value = getattr(metadata, name)
+    if value < longest:
+        kind = "query" if name == "max_query_len" else "sequence"
+        raise InvalidInputError(
+            name,
+            f"{value} is less than the longest {kind} length {longest} "
+            f"(lengths {lengths.tolist()})",
+            hint=f"set {name} from the lengths (AttentionMetadataBuilder does), or build new "
+            "metadata rather than editing one",
+        )
 
 
 def new_output(query: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:

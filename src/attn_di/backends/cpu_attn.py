@@ -267,7 +267,6 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         ragged = bool((seq_lens != needed * block_size).any()) or bool((needed != table_cols).any())
         key_pos = torch.arange(table_cols * block_size, device=device)
         tails = _tail_rows(seq_lens.tolist(), block_size, group, cols, table_cols) if ragged else {}
-        blocked = torch.finfo(dtype).min
         outs: list[torch.Tensor] = []
         lses: list[torch.Tensor] = []
         for first in range(0, seqs, group):
@@ -282,7 +281,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 keys, values = gathered.view(2, -1)
                 width = (stop - start) * block_size
                 shape = (last - first, width, kv_heads, size)
-                mask = None
+                mask = valid = None
                 if ragged:
                     valid = key_pos[start * block_size : stop * block_size]
                     valid = valid[None, :] < seq_lens[first:last, None]
@@ -290,8 +289,8 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                     if tail:  # zero what the cache holds past each sequence's end
                         index = torch.tensor(tail, device=device)
                         gathered.view(2, (last - first) * width, -1).index_fill_(1, index, 0)
-                    mask = torch.where(valid, 0.0, blocked).to(dtype)
-                    mask = mask[:, None, None, :].expand(-1, 1, per_kv, -1)
+                    mask = _additive_mask(valid, dtype)[:, None, None, :]
+                    mask = mask.expand(-1, 1, per_kv, -1)
                 out, lse = _FLASH_FOR_CPU(
                     queries[first:last],
                     keys.view(shape).transpose(1, 2),
@@ -299,6 +298,8 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                     attn_mask=mask,
                     scale=self.scale,
                 )
+                if valid is not None:  # a sequence that ends before the chunk: weight 0
+                    lse = _unreached(lse, valid.any(-1)[:, None, None])
                 group_outs.append(out)
                 group_lses.append(lse)
             outs.append(torch.stack(group_outs))
@@ -417,7 +418,6 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         count = seqs * chunk * kv_heads * size
         key_buf = self._workspace.get("flash_keys", count, dtype, query.device)
         value_buf = self._workspace.get("flash_values", count, dtype, query.device)
-        blocked = torch.finfo(dtype).min
         acc: torch.Tensor | None = None
         lse = torch.empty(0)
         for start in range(0, k_len, chunk):
@@ -429,7 +429,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             torch.index_select(key_src, 0, index, out=keys)
             torch.index_select(value_src, 0, index, out=values)
             allowed = group.allowed[:, None, None, :, start:stop]
-            mask = torch.where(allowed, 0.0, blocked).to(dtype)
+            mask = _additive_mask(allowed, dtype)
             mask = mask.expand(seqs, 1, per_kv, q_len, width).reshape(seqs, 1, rows, width)
             out, chunk_lse = _FLASH_FOR_CPU(
                 queries,
@@ -438,12 +438,18 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 attn_mask=mask,
                 scale=self.scale,
             )
-            chunk_lse = chunk_lse.float().unsqueeze(-1)  # [b, H_kv, g * Lq, 1]
+            chunk_lse = chunk_lse.float()  # [b, H_kv, g * Lq]
+            reached = allowed.any(-1).expand(seqs, 1, per_kv, q_len).reshape(seqs, 1, rows)
+            if not bool(reached.all()):  # rows that see no key of this chunk: weight 0, out 0
+                chunk_lse = _unreached(chunk_lse, reached)
+                out = torch.where(reached[..., None], out, 0.0)
+            chunk_lse = chunk_lse.unsqueeze(-1)
             if acc is None:
                 acc, lse = out.float(), chunk_lse
             else:
                 merged = torch.logaddexp(lse, chunk_lse)
-                acc = acc * torch.exp(lse - merged) + out.float() * torch.exp(chunk_lse - merged)
+                finite = torch.where(torch.isfinite(merged), merged, 0.0)  # -inf: nothing yet
+                acc = acc * torch.exp(lse - finite) + out.float() * torch.exp(chunk_lse - finite)
                 lse = merged
         assert acc is not None
         if self.sinks is not None:
@@ -456,6 +462,20 @@ class CPUAttentionImpl(GroupedAttentionImpl):
 # torch's fused CPU flash-attention op, which also returns the log-sum-exp; private API,
 # so CPU_ATTN falls back to its own matmuls when it is missing.
 _FLASH_FOR_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, ``-inf`` elsewhere, in ``dtype``: the fused kernel adds it to
+    float32 scores, so any finite value (``finfo(float16).min`` is -65504) could outscore
+    real scores below it."""
+    return torch.where(allowed, 0.0, float("-inf")).to(dtype)
+
+
+def _unreached(lse: torch.Tensor, reached: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` for the rows that see no key (``reached`` False): torch's CPU
+    flash kernel gives such rows an output of 0 and a log-sum-exp of 0, which would weigh
+    them as one key of score 0 when chunks are merged."""
+    return torch.where(reached, lse, float("-inf"))
 
 
 def _use_flash_kernel(

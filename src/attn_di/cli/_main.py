@@ -380,9 +380,17 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _import_modules(modules: Sequence[str]) -> None:
-    """``--import``: import each module (its registrations apply), the current directory first."""
+    """``--import``: import each module (its registrations apply), the current directory first.
+
+    Raises:
+        InvalidInputError: a name that is not a dotted module name (a file path, a relative
+            or empty name), a module that is not found, or one whose import raises anything
+            but ``KeyboardInterrupt`` (``SystemExit`` included).
+    """
     import importlib
 
+    for module in modules:
+        _check_module_name(module)
     if modules:
         _add_cwd_to_path()
     for module in modules:
@@ -395,6 +403,33 @@ def _import_modules(modules: Sequence[str]) -> None:
                 hint="give a module name (my_pkg.attention, not a file path) that is installed "
                 "or found from the current directory",
             ) from exc
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit too: a module's failure is not attn-di's exit
+            raise InvalidInputError(
+                "--import",
+                f"importing {module!r} raised {type(exc).__name__}: {exc}",
+                hint=f"fix the module, or check that `python -c 'import {module}'` works",
+            ) from exc
+
+
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _check_module_name(module: str) -> None:
+    """Refuse what ``importlib.import_module`` cannot take as an absolute module name."""
+    if _MODULE_NAME.fullmatch(module):
+        return
+    stem = os.path.splitext(os.path.basename(module.rstrip("/\\")))[0]
+    if stem.isidentifier() and (os.sep in module or "/" in module or module.endswith(".py")):
+        hint = (
+            f"give a module name, not a file path: run attn-di from the directory that holds "
+            f"it and pass --import {stem}"
+        )
+    else:
+        hint = "give a dotted module name, e.g. --import my_pkg.attention"
+    what = "an empty name" if not module.strip() else repr(module)
+    raise InvalidInputError("--import", f"{what} is not a module name", hint=hint)
 
 
 def _add_cwd_to_path() -> None:

@@ -39,7 +39,7 @@ from attn_di.exceptions import (
     install_hint,
 )
 
-__all__ = ["TOLERANCES", "MemoryEstimate", "estimate_memory", "run_batch"]
+__all__ = ["MAX_ITERS", "MAX_SEED", "TOLERANCES", "MemoryEstimate", "estimate_memory", "run_batch"]
 
 # Max absolute error allowed against the float64 reference, per dtype. Inputs are N(0, 1)
 # and rounded to the dtype before both runs, so only the computation's rounding counts.
@@ -47,6 +47,10 @@ __all__ = ["TOLERANCES", "MemoryEstimate", "estimate_memory", "run_batch"]
 # selection refuses it with "dtype not supported", as everywhere else).
 TOLERANCES = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2, "float64": 1e-10}
 _ELEMENT_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+MAX_ITERS = 10_000
+"""The most timed iterations ``--iters`` takes."""
+MAX_SEED = 2**64 - 1
+"""The largest ``--seed`` (``torch.Generator.manual_seed`` takes 64-bit seeds)."""
 
 
 @dataclass
@@ -99,6 +103,18 @@ def _check_sizes(args: argparse.Namespace) -> None:
                 f"must be positive, got {getattr(args, name)}",
                 hint=f"e.g. {_example(name)}",
             )
+    if args.iters > MAX_ITERS:
+        raise InvalidInputError(
+            "--iters",
+            f"must be at most {MAX_ITERS:,}, got {args.iters}",
+            hint=f"the median settles within a few runs: e.g. {_example('iters')}",
+        )
+    if not 0 <= args.seed <= MAX_SEED:
+        raise InvalidInputError(
+            "--seed",
+            f"must be in [0, 2**64 - 1] (torch's seed range), got {args.seed}",
+            hint=f"e.g. {_example('seed')}",
+        )
     for name in ("context", "prefill"):
         if getattr(args, name) < 0:
             raise InvalidInputError(

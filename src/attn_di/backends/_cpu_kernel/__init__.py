@@ -15,7 +15,9 @@ compiled with exactly that set's flags (never ``-march=native``), so a cache dir
 by AVX2-only and AVX-512 machines holds both and each loads its own. The directory name
 carries a hash of the source, the flags and torch's version: a change rebuilds. Its
 ``built`` stamp records the library's size and SHA-256, checked before each load: a damaged
-library is rebuilt (or, without a compiler, never loaded).
+library is rebuilt (or, without a compiler, never loaded). Processes sharing the cache build
+once between them: a file lock serialises builds (the others wait, then load that build),
+and a build is made in a directory of its own and published by renaming it into place.
 
 Threads come from torch's intra-op pool (``at::parallel_for``; the library links the
 ``libgomp.so.1`` torch has already loaded, so there is one OpenMP runtime).
@@ -31,8 +33,10 @@ import hashlib
 import logging
 import os
 import platform
+import secrets
 import shutil
 import sysconfig
+import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
@@ -42,6 +46,11 @@ from pathlib import Path
 from typing import Any
 
 from attn_di.exceptions import InvalidInputError, KernelUnavailableWarning
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: builds are still published atomically
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "ENV_SWITCH",
@@ -221,6 +230,11 @@ def build(isa: str | None = None, verbose: bool = False, force: bool = False) ->
     stamp recorded; a damaged one (truncated, overwritten) is rebuilt from scratch, so that
     a corrupt library is never loaded (``dlopen`` of a truncated file can kill the process).
 
+    Safe across processes sharing the cache: builds of one directory are serialised by a
+    file lock beside it (``<name>.lock``, ``fcntl.flock``), a process that waited for another's
+    build uses it, and a build is made in a directory of its own and published with one
+    ``rename``, so no process ever sees (or deletes) a half-made build.
+
     Args:
         isa: ``avx512``, ``avx2`` or ``default``; None: what torch dispatches to here.
         verbose: show the compiler's command lines and output.
@@ -256,17 +270,29 @@ def build(isa: str | None = None, verbose: bool = False, force: bool = False) ->
             hint="install a C++ compiler (e.g. apt-get install g++), then run "
             "`python -m attn_di.backends._cpu_kernel build`; CPU_ATTN works meanwhile",
         )
+    with _locked(name, shared=False):
+        if not force and _verified(library, stamp):  # another process built it meanwhile
+            return library
+        _remove_leftovers(name)
+        try:
+            staging = Path(tempfile.mkdtemp(prefix=f"{name}.building-", dir=cache_root()))
+        except OSError as exc:
+            raise _unusable_cache(exc) from exc
+        try:
+            logger.warning("building CPU_ATTN's kernel once (~20 s) into %s", directory)
+            _compile(name, isa, staging, verbose)
+            (staging / "built").write_text(f"{isa}\n{_fingerprint(staging / library.name)}\n")
+            _publish(staging, directory)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return library
+
+
+def _compile(name: str, isa: str, directory: Path, verbose: bool) -> None:
+    """Compile the library ``<name>.so`` for ``isa`` into ``directory`` (and load it)."""
     from torch.utils import cpp_extension
 
-    try:
-        if directory.exists():  # damaged, half built or forced: start from nothing
-            shutil.rmtree(directory)
-        directory.mkdir(parents=True)
-        if not os.access(directory, os.W_OK):
-            raise PermissionError(f"{directory} is not writable")
-    except OSError as exc:
-        raise _unusable_cache(exc) from exc
-    logger.warning("building CPU_ATTN's kernel once (~20 s) into %s", directory)
     path = os.environ.get("PATH", "")
     try:
         # cpp_extension runs `ninja` from PATH; the PyPI wheel's lies beside this interpreter,
@@ -283,8 +309,47 @@ def build(isa: str | None = None, verbose: bool = False, force: bool = False) ->
         )
     finally:
         os.environ["PATH"] = path
-    stamp.write_text(f"{isa}\n{_fingerprint(library)}\n")
-    return library
+
+
+def _publish(staging: Path, directory: Path) -> None:
+    """Make the finished build in ``staging`` the build ``directory``, in one rename (a
+    damaged or forced-out build there is first renamed aside, then deleted)."""
+    retired = None
+    if directory.exists():
+        retired = directory.with_name(f"{directory.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        os.replace(directory, retired)
+    os.replace(staging, directory)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def _remove_leftovers(name: str) -> None:
+    """Delete what builds of ``name`` killed mid-way left behind (under the build lock, so
+    no build of ``name`` is running)."""
+    for pattern in (f"{name}.building-*", f"{name}.old-*"):
+        for leftover in cache_root().glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+@contextmanager
+def _locked(name: str, *, shared: bool) -> Iterator[None]:
+    """Hold the build lock of ``name`` (a file in the cache root): exclusive to build,
+    shared to check and load. Without ``fcntl`` (Windows) there is no lock; builds are still
+    published whole, so concurrent processes may each build, never break one another.
+
+    Raises:
+        _BuildError: the cache root cannot be created, or the lock file opened.
+    """
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        handle = (root / f"{name}.lock").open("a+b")
+    except OSError as exc:
+        raise _unusable_cache(exc) from exc
+    with handle:
+        if fcntl is not None:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 class _BuildError(RuntimeError):
@@ -336,14 +401,31 @@ def _ninja_dir() -> str:
 
 
 def _load() -> tuple[Path, str]:
-    """Load this CPU's build (building it first if missing); ``(library, isa)``."""
+    """Load this CPU's build (building it first if missing); ``(library, isa)``.
+
+    The library is checked and loaded under the shared build lock, so a rebuild by another
+    process cannot replace it between the check and the ``dlopen``.
+    """
+    isa = _native_isa()
+    name, directory = _build_dir(isa)
+    library = directory / f"{name}.so"
+    if directory.exists():  # never create a cache directory just to find nothing in it
+        with _locked(name, shared=True):
+            if _verified(library, directory / "built"):
+                _load_library(library)
+                return library, isa
+    library = build(isa)
+    with _locked(name, shared=True):
+        _load_library(library)
+    return library, isa
+
+
+def _load_library(library: Path) -> None:
+    """``torch.ops.load_library``, unless the ops are already loaded in this process."""
     import torch
 
-    isa = _native_isa()
-    library = build(isa)
     if not hasattr(torch.ops.attn_di, "paged_attention"):
         torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
-    return library, isa
 
 
 def _native_isa() -> str:

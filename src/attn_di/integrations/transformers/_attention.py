@@ -36,6 +36,7 @@ from attn_di.exceptions import (
     UnsupportedFeatureError,
 )
 from attn_di.integrations.transformers._paged_cache import PENDING, PagedCache
+from attn_di.integrations.transformers._paged_cache import transformers_name as _transformers_name
 
 if TYPE_CHECKING:
     from attn_di.backend import AttentionImpl, AttentionMetadata
@@ -293,7 +294,7 @@ def _rejected_hint(origin: str, supported_by: tuple[str, ...]) -> str:
             'model.set_attn_implementation("attn_di")) to let attn_di choose'
         )
         alternative = "name {}"
-        names = " or ".join(f'"attn_di:{name}"' for name in supported_by)
+        names = " or ".join(f'"{_transformers_name(name)}"' for name in supported_by)
     return f"{choose}, or {alternative.format(names)}" if names else choose
 
 

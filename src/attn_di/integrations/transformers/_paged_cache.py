@@ -16,6 +16,9 @@ cache slot, so a left-padded row's positions start at 0 on its first real token.
 from __future__ import annotations
 
 import math
+import re
+import threading
+import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,11 +33,27 @@ from attn_di.exceptions import (
     InvalidInputError,
     UnsupportedFeatureError,
 )
+from attn_di.integrations.transformers._scope import (
+    ModelCall,
+    close_step,
+    hold_hook_path,
+    model_call,
+    open_step,
+    running,
+    watch,
+)
 
 if TYPE_CHECKING:
     from attn_di.backend import AttentionMetadata
 
-__all__ = ["MAX_BLOCK_SIZE", "PENDING", "PagedCache", "StepBatch", "is_attn_di_name"]
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "PENDING",
+    "PagedCache",
+    "StepBatch",
+    "is_attn_di_name",
+    "transformers_name",
+]
 
 MAX_BLOCK_SIZE = 65536
 """The largest ``block_size`` a :class:`PagedCache` accepts (tokens per block)."""
@@ -49,6 +68,20 @@ function of that layer takes it."""
 def is_attn_di_name(name: object) -> bool:
     """Whether ``name`` is one of attn_di's transformers attention names (``attn_di[:MEMBER]``)."""
     return isinstance(name, str) and (name == "attn_di" or name.startswith("attn_di:"))
+
+
+_TRANSFORMERS_WORDS = re.compile(r"flash|sdpa|flex_attention")
+
+
+def transformers_name(member_name: str) -> str:
+    """The transformers name of the member named ``member_name`` (exactly): ``"attn_di:"``
+    and the name, so members that differ only by case (``MY_X``, ``my_x``) get names of their
+    own. transformers reads a lowercase ``flash``, ``sdpa`` or ``flex_attention`` anywhere in
+    an implementation name as a request for its own implementation of that kind, so a ``.``
+    follows the first letter of each (``my_flash`` -> ``"attn_di:my_f.lash"``); a member name
+    holds no ``.``, so the names stay one per member."""
+    escaped = _TRANSFORMERS_WORDS.sub(lambda word: f"{word[0][0]}.{word[0][1:]}", member_name)
+    return f"attn_di:{escaped}"
 
 
 @dataclass
@@ -100,10 +133,18 @@ class _PagedLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
 
     def __init__(self, owner: PagedCache, layer_idx: int, is_sliding: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.owner = owner
+        self._owner = weakref.ref(owner)  # no cycle: a cache is freed as soon as unused
         self.layer_idx = layer_idx
         self.is_sliding = is_sliding
         self.is_initialized = True
+
+    @property
+    def owner(self) -> PagedCache:
+        """The :class:`PagedCache` this layer belongs to."""
+        owner = self._owner()
+        if owner is None:
+            raise ReferenceError("the PagedCache of this layer no longer exists")
+        return owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the owner allocates on the first attention call."""
@@ -184,15 +225,7 @@ class PagedCache(Cache):
         device: torch.device | str | None = None,
         fill_value: float | None = None,
     ) -> None:
-        text_config = _text_config(config)
-        num_layers = getattr(text_config, "num_hidden_layers", None)
-        num_heads = getattr(text_config, "num_attention_heads", None)
-        if not isinstance(num_layers, int) or not isinstance(num_heads, int):
-            raise InvalidInputError(
-                "config",
-                f"{type(config).__name__} has no num_hidden_layers/num_attention_heads",
-                hint="pass the decoder model's config, e.g. PagedCache(model.config)",
-            )
+        layout = _Layout.of(config)
         self.config = config
         self.block_size = _positive_int("block_size", block_size, "block_size=16")
         if self.block_size > MAX_BLOCK_SIZE:
@@ -207,19 +240,14 @@ class PagedCache(Cache):
             if num_blocks is None
             else _positive_int("num_blocks", num_blocks, "num_blocks=1024")
         )
-        self.num_kv_heads: int = getattr(text_config, "num_key_value_heads", None) or num_heads
-        self.head_size: int = getattr(text_config, "head_dim", None) or (
-            text_config.hidden_size // num_heads
-        )
+        self.num_kv_heads: int = layout.num_kv_heads
+        self.head_size: int = layout.head_size
         self.dtype = _dtype(dtype)
         self.device = _device(device)
         self.fill_value = _fill_value(fill_value)
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
-        layers = [
-            _PagedLayer(self, index, kind in ("sliding_attention", "chunked_attention"))
-            for index, kind in enumerate(layer_types)
-        ]
+        layers = [_PagedLayer(self, index, sliding) for index, sliding in enumerate(layout.sliding)]
         super().__init__(layers=layers)  # type: ignore[arg-type]
+        self._layout = layout
         self._kv_caches: dict[int, torch.Tensor] = {}
         self._layout_cls: Any = None
         self._compatible: set[Any] = set()
@@ -236,6 +264,11 @@ class PagedCache(Cache):
         self.step_memo: dict[str, Any] = {}
         # (columns, seq_lens, blocks per sequence) before the current step, for abandon_step.
         self._before: tuple[int, list[int], list[int]] = (0, [], [])
+        # The model call of the step begun and not yet committed (see _scope), or None.
+        self._open: ModelCall | None = None
+        # Until the first step has found its model, torch runs module hooks (see _scope).
+        self._release_hook_path = hold_hook_path()
+        weakref.finalize(self, self._release_hook_path)
 
     # -- what transformers calls -----------------------------------------------------
     def update(
@@ -261,28 +294,104 @@ class PagedCache(Cache):
                 (another implementation would see only the new keys).
         """
         if layer_idx in self._updated or not self._updated:
-            # A new step (the model cannot change its attention implementation mid-step).
-            name = getattr(self.config, "_attn_implementation", None)
-            if not is_attn_di_name(name):
-                raise InvalidInputError(
-                    "cache",
-                    f"PagedCache needs an attn_di attention implementation; the model uses "
-                    f"{name!r}",
-                    hint="call attn_di.integrations.transformers.register() and load the model "
-                    'with attn_implementation="attn_di" (or model.set_attn_implementation('
-                    '"attn_di"))',
-                )
-            self.step_memo = {}
-            self._updated.clear()
-            self._before = (self._columns, list(self._seq_lens), [len(t) for t in self._tables])
-            self._step += 1
-            self._columns += int(key_states.shape[2])
+            self._begin_step(int(key_states.shape[2]))
         self._updated.add(layer_idx)
         PENDING.set((self, layer_idx))
         return key_states, value_states
 
+    def _begin_step(self, columns: int) -> None:
+        """Begin a step: the first layer of a model forward (or a later pass of the same
+        forward over the layers, which stays part of that forward's step).
+
+        The step is committed when the forward of the model that called it returns
+        (:meth:`commit_step`, from the model's forward hook), and rolled back otherwise: at
+        once when attention fails, else before the cache is next read or stepped.
+
+        Raises:
+            InvalidInputError: the calling model is not on an attn_di attention
+                implementation, or lays its KV cache out otherwise than the model this cache
+                was built for, or another thread is in a step of this cache. Nothing changes.
+        """
+        call = model_call()
+        self._settle(call)
+        model = call.model if call is not None else None
+        self._check_caller(model)
+        if self._open is None or call is None or self._open.frame is not call.frame:
+            self._before = (self._columns, list(self._seq_lens), [len(t) for t in self._tables])
+            if call is not None:
+                watch(call.model)
+                self._release_hook_path()
+                if call.hooked:  # its return will be seen: commit then
+                    self._open = call
+                    open_step(self)
+        self.step_memo = {}
+        self._updated.clear()
+        self._step += 1
+        self._columns += columns
+
+    def _check_caller(self, model: Any) -> None:
+        """Refuse a step for ``model`` (None: not known, this cache's config is used) when it
+        is not on an attn_di attention implementation or has another KV layout."""
+        config = getattr(model, "config", None) if model is not None else self.config
+        config = config if isinstance(config, PretrainedConfig) else self.config
+        name = getattr(config, "_attn_implementation", None)
+        if not is_attn_di_name(name):
+            raise InvalidInputError(
+                "cache",
+                f"PagedCache needs an attn_di attention implementation; the model uses {name!r}",
+                hint="call attn_di.integrations.transformers.register() and load the model "
+                'with attn_implementation="attn_di" (or model.set_attn_implementation('
+                '"attn_di"))',
+            )
+        if config is not self.config:
+            theirs = _Layout.of(config)
+            if theirs != self._layout:
+                raise InvalidInputError(
+                    "cache",
+                    f"was built for another model: {self._layout.describe()}, but "
+                    f"{type(model).__name__} has {theirs.describe()}",
+                    hint="make one PagedCache per model: PagedCache(model.config)",
+                )
+
+    def _settle(self, call: ModelCall | None = None) -> None:
+        """Roll back a begun step whose model call is over without having returned (it
+        raised, or was interrupted); ``call`` is the call beginning a step now, if any.
+
+        Raises:
+            InvalidInputError: the step is running in another thread.
+        """
+        open_call = self._open
+        if open_call is None:
+            return
+        if call is not None and open_call.frame is call.frame:
+            return  # the same forward: a later pass over the layers
+        if running(open_call):
+            if open_call.thread == threading.get_ident():
+                return  # read from inside the forward (a layer or hook asking)
+            raise InvalidInputError(
+                "cache",
+                "is in the middle of a step in another thread",
+                hint="give each thread (each batch of sequences) its own PagedCache",
+            )
+        self._roll_back()
+
+    @property
+    def open_call(self) -> ModelCall | None:
+        """The model call of the step begun and not yet committed, or None."""
+        return self._open
+
+    def commit_step(self) -> None:
+        """Keep the current step: the forward of the model that began it has returned
+        (called by that model's forward hook)."""
+        self._open = None
+        close_step(self)
+        self._updated.clear()
+        self._forget_pending()
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns of the padded batch seen so far (transformers slices ``input_ids`` with it)."""
+        if self._open is not None:
+            self._settle()
         return self._columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
@@ -296,6 +405,8 @@ class PagedCache(Cache):
                 seen (it keeps only the input columns past them), so the cache needs
                 :meth:`reset` first.
         """
+        if self._open is not None:
+            self._settle()
         if query_length == 0 and self._columns:
             raise InvalidInputError(
                 "cache",
@@ -312,6 +423,9 @@ class PagedCache(Cache):
 
     def reset(self) -> None:
         """Free every sequence's blocks (the tensors are kept, as a server keeps its pool)."""
+        self._open = None
+        close_step(self)
+        self._forget_pending()
         self._free = list(range(self._capacity - 1, -1, -1))
         self._tables = []
         self._seq_lens = []
@@ -412,11 +526,19 @@ class PagedCache(Cache):
     def abandon_step(self) -> None:
         """Undo the current step after a failure: lengths, columns and blocks as before it.
 
-        The attention function calls this when any layer of the step fails, so a failed
-        forward leaves the cache as it found it (blocks taken for the step go back to the
-        free list; a pool that grew stays grown). Keys a layer already wrote land in slots
-        past every sequence's length, which no later step reads before overwriting them.
+        The attention function calls this when any layer of the step fails; a step whose
+        forward fails elsewhere (an MLP, a hook, ``KeyboardInterrupt`` between layers) is
+        undone the same way before the cache is next read or stepped. So a failed forward
+        leaves the cache as it found it (blocks taken for the step go back to the free
+        list; a pool that grew stays grown). Keys a layer already wrote land in slots past
+        every sequence's length, which no later step reads before overwriting them.
         """
+        self._roll_back()
+
+    def _roll_back(self) -> None:
+        self._open = None
+        close_step(self)
+        self._forget_pending()
         columns, seq_lens, counts = self._before
         if len(counts) != len(self._tables):  # the step started the sequences
             counts = [0] * len(self._tables)
@@ -429,6 +551,12 @@ class PagedCache(Cache):
         self._seq_lens = list(seq_lens)
         self._updated.clear()
         self._batch = None
+
+    def _forget_pending(self) -> None:
+        """Drop this thread's note of a layer of this cache waiting for its attention."""
+        pending = PENDING.get()
+        if pending is not None and pending[0] is self:
+            PENDING.set(None)
 
     def kv_cache(
         self, layer_idx: int, backend_cls: Any, dtype: torch.dtype, device: torch.device
@@ -476,19 +604,23 @@ class PagedCache(Cache):
     @property
     def num_free_blocks(self) -> int:
         """Blocks on the free list."""
+        self._settle()
         return len(self._free)
 
     @property
     def block_tables(self) -> list[list[int]]:
         """Each sequence's block numbers, in position order (a copy)."""
+        self._settle()
         return [list(table) for table in self._tables]
 
     @property
     def seq_lens(self) -> list[int]:
         """Real (unpadded) tokens cached per sequence (a copy)."""
+        self._settle()
         return list(self._seq_lens)
 
     def __repr__(self) -> str:
+        self._settle()
         return (
             f"PagedCache(layers={len(self.layers)}, block_size={self.block_size}, "
             f"blocks={self._capacity - len(self._free)}/{self._capacity} used, "
@@ -570,6 +702,48 @@ class PagedCache(Cache):
                     "PagedCache after swapping to a backend with another KV layout",
                 )
         self._compatible.add(backend_cls)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a cache's tensors and layers depend on in a model's config."""
+
+    num_kv_heads: int
+    head_size: int
+    sliding: tuple[bool, ...]  # per decoder layer: sliding-window (or chunked) attention
+
+    @classmethod
+    def of(cls, config: object) -> _Layout:
+        """The layout of a model config (its decoder's).
+
+        Raises:
+            InvalidBackendTypeError: not a transformers config.
+            InvalidInputError: no ``num_hidden_layers`` / ``num_attention_heads``.
+        """
+        text_config = _text_config(config)
+        num_layers = getattr(text_config, "num_hidden_layers", None)
+        num_heads = getattr(text_config, "num_attention_heads", None)
+        if not isinstance(num_layers, int) or not isinstance(num_heads, int):
+            raise InvalidInputError(
+                "config",
+                f"{type(config).__name__} has no num_hidden_layers/num_attention_heads",
+                hint="pass the decoder model's config, e.g. PagedCache(model.config)",
+            )
+        kinds = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
+        return cls(
+            num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+            head_size=getattr(text_config, "head_dim", None)
+            or text_config.hidden_size // num_heads,
+            sliding=tuple(kind in ("sliding_attention", "chunked_attention") for kind in kinds),
+        )
+
+    def describe(self) -> str:
+        """``"2 layers of 2 KV heads of size 8"`` (and how many slide)."""
+        sliding = sum(self.sliding)
+        return (
+            f"{len(self.sliding)} layers of {self.num_kv_heads} KV heads of size "
+            f"{self.head_size}" + (f" ({sliding} sliding-window)" if sliding else "")
+        )
 
 
 def _unsupported(feature: str) -> UnsupportedFeatureError:

@@ -11,6 +11,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from attn_di._enum import AttentionBackendEnum, parse_backend_name
 from attn_di.exceptions import UnsupportedFeatureError
 from attn_di.integrations.transformers._attention import AttentionFunction
+from attn_di.integrations.transformers._paged_cache import transformers_name
 
 __all__ = [
     "ATTENTION_NAME",
@@ -34,13 +35,16 @@ def implementation_name(member: AttentionBackendEnum | str | None = None) -> str
             selection.
 
     Returns:
-        ``"attn_di"``, or ``"attn_di:<MEMBER>"`` (e.g. ``"attn_di:CPU_ATTN"``).
+        ``"attn_di"``, or ``"attn_di:<MEMBER>"`` (e.g. ``"attn_di:CPU_ATTN"``): the name that
+        runs that very member, case kept: ``MY_X`` and ``my_x`` get names of their own
+        (a lowercase ``flash``, ``sdpa`` or ``flex_attention`` in a name gets a ``.`` after
+        its first letter, which transformers would otherwise read as its own kinds).
 
     Raises:
         UnknownBackendError: an unknown name, with the closest suggestion.
     """
     parsed = parse_backend_name(member)
-    return ATTENTION_NAME if parsed is None else f"{ATTENTION_NAME}:{parsed.name.upper()}"
+    return ATTENTION_NAME if parsed is None else transformers_name(parsed.name)
 
 
 def register() -> list[str]:
@@ -49,8 +53,9 @@ def register() -> list[str]:
     Each name goes into ``transformers.AttentionInterface`` (the attention function) and
     ``AttentionMaskInterface`` (:func:`padding_mask`, so padded batches keep their padding).
     Idempotent: calling it again registers the same functions, plus any member added since
-    (``AttentionBackendEnum.register``). Names hold no lowercase ``sdpa``/``flex_attention``,
-    which would trigger transformers' own checks for its implementations of those names.
+    (``AttentionBackendEnum.register``). Each member has its own name, case kept; no name
+    holds a lowercase ``flash``, ``sdpa`` or ``flex_attention``, which would trigger
+    transformers' own checks for those kinds.
 
     Returns:
         The registered names, ``"attn_di"`` first.

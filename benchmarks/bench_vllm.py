@@ -1,0 +1,171 @@
+"""vLLM generating with attn_di's CPU_ATTN vs vLLM's own CPU_ATTN (run in .venv-vllm).
+
+Default workload (issue 15's): SmolLM2-135M-Instruct, 8 prompts of 500 random tokens, 64 new
+greedy tokens each, float32 and bfloat16, vLLM's in-process engine (``enforce_eager``, block
+size 128, prefix caching off so that no run reads another's cache). For each dtype the two
+contenders run alternately, ``--rounds`` times, each round on a freshly built engine with one
+warm-up generation first; the table shows the median over rounds of:
+
+* time to first token: the wall time of a generation of one token for all 8 prompts (their
+  prefill, done in vLLM's chunked steps);
+* decode tokens/s: ``8 * 63`` tokens over the wall time of a 64-token generation minus that
+  of the one-token one (fresh random prompts for each);
+* total wall: the 64-token generation.
+
+Also whether the two contenders' greedy tokens are equal. Targets: decode tokens/s >= vLLM's
+own in both dtypes; time to first token <= vLLM's (once attn_di's prefill kernel has landed).
+Run: ``.venv-vllm/bin/python benchmarks/bench_vllm.py`` (``--markdown`` for
+docs/benchmarks.md; ``--prompts 2 --prompt-len 64 --new-tokens 8 --rounds 1 --dtypes float32``
+to smoke-test). The SmolLM2 folder is the one ``scripts/setup-vllm.sh`` makes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+
+import torch
+from vllm.inputs import TokensPrompt
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+import attn_di
+from _machine import cpu_flags, cpu_model  # beside this script (the script's folder is on sys.path)
+from attn_di.integrations import vllm as bridge
+from vllm import LLM, SamplingParams
+
+CONTENDERS = {
+    "vLLM CPU_ATTN": None,
+    "attn_di CPU_ATTN": "attn_di.integrations.vllm.backends.CPU_ATTN",
+}
+
+
+def model_folder() -> Path:
+    """The SmolLM2 folder of ``scripts/smollm2_hf_folder.py``."""
+    explicit = os.environ.get("ATTN_DI_MODEL_CACHE")
+    base = Path(explicit) if explicit else Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "attn_di", "models"
+    )  # fmt: skip
+    folder = base / "SmolLM2-135M-Instruct"
+    if not (folder / "model.safetensors").is_file():
+        raise SystemExit(f"{folder} is missing: run bash scripts/setup-vllm.sh")
+    return folder
+
+
+def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[Any]:
+    """``count`` prompts of ``length`` random token ids (no special tokens)."""
+    rng = random.Random(seed)
+    return [
+        TokensPrompt(prompt_token_ids=[rng.randrange(100, vocab) for _ in range(length)])
+        for _ in range(count)
+    ]
+
+
+def greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+def measure(
+    folder: Path, class_path: str | None, dtype: str, args: argparse.Namespace, seed: int
+) -> tuple[float, float, float, list[list[int]]]:
+    """(first-token s, decode tokens/s, total s, tokens of the 64-token run) on a new engine."""
+    with attn_di.use_container():
+        if class_path is not None:
+            attn_di.register_backend(attn_di.AttentionBackendEnum.CPU_ATTN, class_path)
+        llm = LLM(
+            model=str(folder),
+            dtype=dtype,
+            enforce_eager=True,
+            max_model_len=args.prompt_len + args.new_tokens + 16,
+            max_num_seqs=args.prompts,
+            enable_prefix_caching=False,
+            seed=0,
+        )
+        try:
+            vocab = llm.llm_engine.model_config.get_vocab_size()
+            warm_up = random_prompts(args.prompts, args.prompt_len, 1, vocab)
+            llm.generate(warm_up, greedy(4), use_tqdm=False)
+            first = random_prompts(args.prompts, args.prompt_len, seed, vocab)
+            start = time.perf_counter()
+            llm.generate(first, greedy(1), use_tqdm=False)
+            ttft = time.perf_counter() - start
+            full = random_prompts(args.prompts, args.prompt_len, seed + 1, vocab)
+            start = time.perf_counter()
+            outputs = llm.generate(full, greedy(args.new_tokens), use_tqdm=False)
+            total = time.perf_counter() - start
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    decode = args.prompts * (args.new_tokens - 1) / max(total - ttft, 1e-9)
+    return ttft, decode, total, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=500)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating repetitions")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--markdown", action="store_true", help="print markdown table rows")
+    args = parser.parse_args()
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2")
+    bridge.install()
+    folder = model_folder()
+    load = os.getloadavg()[0]
+    print(
+        f"# {cpu_model()} ({cpu_flags()}), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} torch threads, {os.cpu_count()} cores, load {load:.1f}; "
+        f"{args.prompts} x {args.prompt_len} tokens + {args.new_tokens} new, {args.rounds} rounds"
+    )
+    assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
+    rows = []
+    for dtype in args.dtypes.split(","):
+        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in CONTENDERS}
+        tokens: dict[str, list[list[int]]] = {}
+        for round_index in range(args.rounds):
+            for name, class_path in CONTENDERS.items():
+                ttft, decode, total, generated = measure(
+                    folder, class_path, dtype, args, seed=100 + round_index
+                )
+                results[name].append((ttft, decode, total))
+                tokens.setdefault(name, generated)
+        reference = "vLLM CPU_ATTN"
+        base = [statistics.median(r[i] for r in results[reference]) for i in range(3)]
+        for name in CONTENDERS:
+            ttft, decode, total = (statistics.median(r[i] for r in results[name]) for i in range(3))
+            same = tokens[name] == tokens[reference]
+            rows.append((dtype, name, ttft, ttft / base[0], decode, decode / base[1], total, same))
+    if args.markdown:
+        print(
+            "| dtype | contender | first token s | vs vLLM | decode tok/s | vs vLLM | total s "
+            "| same tokens |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for dtype, name, ttft, r1, decode, r2, total, same in rows:
+            print(
+                f"| {dtype} | {name} | {ttft:.2f} | {r1:.2f}x | {decode:.0f} | {r2:.2f}x "
+                f"| {total:.2f} | {same} |"
+            )
+    else:
+        for dtype, name, ttft, r1, decode, r2, total, same in rows:
+            print(
+                f"{dtype:9} {name:17} first token {ttft:6.2f} s ({r1:4.2f}x)  "
+                f"decode {decode:7.1f} tok/s ({r2:4.2f}x)  total {total:6.2f} s  same tokens {same}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Fixtures of the tests against the real vLLM (run in .venv-vllm: ``bash scripts/setup-vllm.sh``).
+
+Every module here starts with ``pytest.importorskip("vllm", ...)``: outside .venv-vllm they are
+skipped with a reason naming the missing package. In CI (``CI`` set) a missing SmolLM2 folder
+fails instead of skipping, so CI can never pass these tests by not running them.
+
+Engines are few and shared (module-scoped fixtures), built with ``enforce_eager=True``, a
+1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE=1``) and ``max_model_len=512``, one at a time (two
+cores are shared); :func:`engine` shuts each down (and frees its memory) after its module.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_FOLDER_NAME = "SmolLM2-135M-Instruct"
+CPU_ATTN_PATH = "attn_di.integrations.vllm.backends.CPU_ATTN"
+TORCH_SDPA_PATH = "attn_di.integrations.vllm.backends.TORCH_SDPA"
+
+#: >= 6 chat prompts (the same-token tests generate 32 greedy tokens for each).
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three prime numbers.",
+    "Who wrote Hamlet?",
+    "Explain gravity in one sentence.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+]
+NEW_TOKENS = 32
+
+
+def model_folder() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder (written by ``scripts/smollm2_hf_folder.py``)."""
+    explicit = os.environ.get("ATTN_DI_MODEL_CACHE")
+    if explicit:
+        root = Path(explicit)
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = Path(base) / "attn_di" / "models"
+    return root / MODEL_FOLDER_NAME
+
+
+@pytest.fixture(scope="session", name="smollm2")
+def _smollm2() -> Path:
+    """The model folder; skipped (failed in CI) when it is missing."""
+    folder = model_folder()
+    if not (folder / "model.safetensors").is_file():
+        reason = (
+            f"{folder} is missing: run bash scripts/setup-vllm.sh (it runs "
+            ".venv/bin/python scripts/smollm2_hf_folder.py)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _bridge() -> None:
+    """The bridge, installed as vLLM's plugin would install it (idempotent)."""
+    from attn_di.integrations.vllm import install
+
+    install()
+
+
+def chat(prompt: str) -> list[dict[str, str]]:
+    """One user turn."""
+    return [{"role": "user", "content": prompt}]
+
+
+def greedy(tokens: int = NEW_TOKENS) -> Any:
+    """vLLM's sampling parameters for exactly ``tokens`` greedy tokens."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+def generate_tokens(llm: Any, prompts: list[str] = CHAT_PROMPTS) -> list[list[int]]:
+    """Greedy token ids of each chat prompt."""
+    outputs = llm.chat([chat(p) for p in prompts], greedy(), use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+@contextmanager
+def engine(model: Path, *, multiprocess: bool = False, **options: Any) -> Iterator[Any]:
+    """A vLLM ``LLM`` on SmolLM2 (small, eager), shut down and freed on exit."""
+    from vllm import LLM
+
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    settings: dict[str, Any] = {
+        "model": str(model),
+        "enforce_eager": True,
+        "max_model_len": 512,
+        "max_num_seqs": 8,
+        "dtype": "float32",
+        "seed": 0,
+    }
+    settings.update(options)
+    llm = None
+    try:
+        llm = LLM(**settings)
+        yield llm
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        if previous is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+
+
+def layer_impls(llm: Any) -> list[Any]:
+    """The attention impls of an in-process engine's layers."""
+    from vllm.model_executor.layers.attention import Attention
+
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    model = runner.model_runner.model
+    return [module.impl for module in model.modules() if isinstance(module, Attention)]
+
+
+_REFERENCE: dict[str, list[list[int]]] = {}
+
+
+def remember_reference(dtype: str, tokens: list[list[int]]) -> None:
+    """Keep vLLM's own tokens made by a test's engine (so no other engine has to make them)."""
+    _REFERENCE.setdefault(dtype, tokens)
+
+
+@pytest.fixture(scope="session", name="vllm_reference_tokens")
+def _vllm_reference_tokens(smollm2: Path) -> list[list[int]]:
+    """vLLM's own CPU_ATTN's greedy tokens (in-process, float32), the reference.
+
+    Made by the override test's engine built after its block when that test ran first."""
+    if "float32" not in _REFERENCE:
+        import attn_di
+
+        with attn_di.use_container(), engine(smollm2) as llm:
+            assert {type(impl).__module__ for impl in layer_impls(llm)} == {
+                "vllm.v1.attention.backends.cpu_attn"
+            }
+            _REFERENCE["float32"] = generate_tokens(llm)
+    return _REFERENCE["float32"]
+
+
+def attention_impls(model: Any) -> list[str]:
+    """``module.Impl`` (and the attn_di backend it runs) of a model's attention layers; run in
+    vLLM's worker through ``llm.apply_model`` (a module-level function, pickled by name)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    found = set()
+    for module in model.modules():
+        if isinstance(module, Attention):
+            impl = module.impl
+            runs = getattr(impl, "attn_di_backend", None)
+            found.add(
+                f"{type(impl).__module__}.{type(impl).__qualname__}"
+                + (f" runs {runs.__module__}.{runs.__qualname__}" if runs is not None else "")
+            )
+    return sorted(found)

