@@ -86,6 +86,4 @@ void run_prefill(const at::Tensor& query, const at::Tensor& key_cache,
                  at::Tensor& out, const Options& o, bool causal,
                  const std::vector<PrefillSeq>& seqs);
 
-void set_experiment(int64_t value);  // TUNING ONLY
-
 }  // namespace attn_di_kernel

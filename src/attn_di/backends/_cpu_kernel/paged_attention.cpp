@@ -36,6 +36,7 @@
 
 #include "kernel.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
@@ -271,11 +272,9 @@ inline const float* as_float(const T* row, int64_t kv_heads, int64_t size, int64
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kPageBytes = 4096;
 
-inline int64_t& decode_experiment() { static int64_t value = 0; return value; }
 inline void prefetch_span(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
-  const int64_t step = (decode_experiment() & 2) ? 64 : kPageBytes;
-  for (int64_t off = 0; off < bytes; off += step) __builtin_prefetch(p + off, 0, 3);
+  for (int64_t off = 0; off < bytes; off += kPageBytes) __builtin_prefetch(p + off, 0, 3);
 }
 
 // A token row's heads ahead of use: one span where the heads are adjacent, else each head.
@@ -607,13 +606,37 @@ void check_dense_cpu(const char* op, const at::Tensor& t, const char* name) {
 }
 
 // An integer index tensor of rank `rank`, as int64 and contiguous (a copy only if needed).
-at::Tensor index_tensor(const char* op, const at::Tensor& t, const char* name, int64_t rank) {
+// An integer index tensor ([rows] or [rows, cols]) read as int64: its own memory where it is
+// int64 and contiguous, else a copy made here (no ATen op: a decode step's calls are short).
+struct Indices {
+  const int64_t* data = nullptr;
+  int64_t rows = 0, cols = 1;
+  std::vector<int64_t> copy;
+};
+
+Indices index_tensor(const char* op, const at::Tensor& t, const char* name, int64_t rank) {
   check_dense_cpu(op, t, name);
   TORCH_CHECK(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), "attn_di ", op, ": ",
               name, " must be an integer tensor, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == rank, "attn_di ", op, ": ", name, " must be ", rank, "-D, got shape ",
               t.sizes());
-  return t.to(at::kLong).contiguous();
+  Indices ix;
+  ix.rows = t.size(0);
+  ix.cols = rank == 2 ? t.size(1) : 1;
+  if (t.scalar_type() == at::kLong && t.is_contiguous()) {
+    ix.data = t.const_data_ptr<int64_t>();
+    return ix;
+  }
+  ix.copy.resize(ix.rows * ix.cols);
+  const int64_t row_stride = t.stride(0), col_stride = rank == 2 ? t.stride(1) : 0;
+  AT_DISPATCH_INTEGRAL_TYPES(t.scalar_type(), "attn_di_indices", [&] {
+    const scalar_t* src = t.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < ix.rows; ++i)
+      for (int64_t j = 0; j < ix.cols; ++j)
+        ix.copy[i * ix.cols + j] = static_cast<int64_t>(src[i * row_stride + j * col_stride]);
+  });
+  ix.data = ix.copy.data();
+  return ix;
 }
 
 // key_cache and value_cache: [num_blocks, block_size, H_kv, D] views of one dtype, last dim
@@ -639,7 +662,7 @@ void check_caches(const char* op, const at::Tensor& key_cache, const at::Tensor&
 
 template <typename T>
 void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-         const at::Tensor& table, std::vector<Sequence>& seqs, std::vector<Item>& items,
+         const Indices& table, std::vector<Sequence>& seqs, std::vector<Item>& items,
          at::Tensor& out, const Options& o, int64_t partial_rows) {
   std::vector<float> partial_acc(partial_rows * o.head_size), partial_max(partial_rows),
       partial_sum(partial_rows);
@@ -648,8 +671,8 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
                    query.stride(1),
                    cache_view<T>(key_cache),
                    cache_view<T>(value_cache),
-                   table.const_data_ptr<int64_t>(),
-                   table.stride(0),
+                   table.data,
+                   table.cols,
                    out.mutable_data_ptr<T>(),
                    out.stride(0),
                    out.stride(1),
@@ -745,20 +768,20 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     sinks = head_option(sinks_in, "sinks", o.heads);
     o.sinks = sinks.const_data_ptr<float>();
   }
-  const at::Tensor table = index_tensor(op, block_table_in, "block_table", 2);
-  const at::Tensor seq_lens = index_tensor(op, seq_lens_in, "seq_lens", 1);
-  const at::Tensor starts = index_tensor(op, query_start_loc_in, "query_start_loc", 1);
-  const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(starts.size(0) == num_seqs + 1, "attn_di paged_attention: query_start_loc must be [B + 1] = [",
-              num_seqs + 1, "] (B = seq_lens' length), got shape ", starts.sizes());
-  TORCH_CHECK(table.size(0) == num_seqs, "attn_di paged_attention: block_table must be [B, max_blocks] with B = ",
-              num_seqs, ", got shape ", table.sizes());
-  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
-  const int64_t* qsl = starts.const_data_ptr<int64_t>();
-  const int64_t* blocks = table.const_data_ptr<int64_t>();
+  const Indices table = index_tensor(op, block_table_in, "block_table", 2);
+  const Indices seq_lens = index_tensor(op, seq_lens_in, "seq_lens", 1);
+  const Indices starts = index_tensor(op, query_start_loc_in, "query_start_loc", 1);
+  const int64_t num_seqs = seq_lens.rows;
+  TORCH_CHECK(starts.rows == num_seqs + 1, "attn_di paged_attention: query_start_loc must be [B + 1] = [",
+              num_seqs + 1, "] (B = seq_lens' length), got shape ", query_start_loc_in.sizes());
+  TORCH_CHECK(table.rows == num_seqs, "attn_di paged_attention: block_table must be [B, max_blocks] with B = ",
+              num_seqs, ", got shape ", block_table_in.sizes());
+  const int64_t* lens = seq_lens.data;
+  const int64_t* qsl = starts.data;
+  const int64_t* blocks = table.data;
   const int64_t rows_in = std::min<int64_t>(query.size(0), out.size(0));
   TORCH_CHECK(num_seqs == 0 || (qsl[0] >= 0 && qsl[num_seqs] <= rows_in),
-              "attn_di paged_attention: query_start_loc ", starts.sizes(), " must lie in [0, ",
+              "attn_di paged_attention: query_start_loc ", query_start_loc_in.sizes(), " must lie in [0, ",
               rows_in, "] (query has ", query.size(0), " rows, out ", out.size(0), "), got [",
               num_seqs ? qsl[0] : 0, ", ..., ", num_seqs ? qsl[num_seqs] : 0, "]");
 
@@ -767,7 +790,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
   std::vector<Sequence> seqs(num_seqs);
   std::vector<PrefillSeq> prefills;
   int64_t total_keys = 0, max_rows = 1;
-  const int64_t max_blocks = table.size(1);
+  const int64_t max_blocks = table.cols;
   for (int64_t b = 0; b < num_seqs; ++b) {
     Sequence& s = seqs[b];
     s.first_query = qsl[b];
@@ -866,10 +889,10 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                   at::has_internal_overlap(value_cache) != at::MemOverlap::Yes,
               "attn_di write_kv_cache: a cache has elements that share memory (e.g. a stride of 0)");
   const int64_t n = key.size(0), heads = key.size(1), size = key.size(2);
-  const at::Tensor slots = index_tensor(op, slot_mapping_in, "slot_mapping", 1);
-  TORCH_CHECK(slots.size(0) >= n, "attn_di write_kv_cache: slot_mapping has ", slots.size(0),
+  const Indices slots = index_tensor(op, slot_mapping_in, "slot_mapping", 1);
+  TORCH_CHECK(slots.rows >= n, "attn_di write_kv_cache: slot_mapping has ", slots.rows,
               " entries for ", n, " tokens (one slot per token)");
-  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  const int64_t* slot = slots.data;
   const int64_t block_size = key_cache.size(1);
   const int64_t num_slots = key_cache.size(0) * block_size;
   for (int64_t t = 0; t < n; ++t)
@@ -899,7 +922,6 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 }  // namespace
 
 std::string isa() { return ATTN_DI_STRINGIFY(ATTN_DI_KERNEL_ISA); }
-void set_decode_experiment(int64_t value) { decode_experiment() = value; }
 
 }  // namespace attn_di_kernel
 
@@ -912,8 +934,6 @@ TORCH_LIBRARY(attn_di, m) {
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   m.def("isa() -> str", &attn_di_kernel::isa);
-  m.def("set_experiment(int value) -> ()", &attn_di_kernel::set_experiment);  // TUNING ONLY
-  m.def("set_decode_experiment(int value) -> ()", &attn_di_kernel::set_decode_experiment);  // TUNING ONLY
 }
 
 TORCH_LIBRARY_IMPL(attn_di, CPU, m) {

@@ -42,9 +42,11 @@ namespace {
 namespace blas = at::native::cpublas;
 
 // Keys per tile (the N of S = Q K^T, in panels of kPanel when VNNI-packed, and the K of
-// O += P V): float32 tiles of K^T and V stay within L1 at 64 keys; bfloat16 ones at 128.
+// O += P V). Longer tiles mean fewer GEMM calls (each reads and writes its C) per flop; the
+// lengths that measured fastest here (docs/benchmarks.md): 128 keys for float32, 256 for
+// bfloat16 / float16 on AMX.
 template <typename C>
-constexpr int64_t kKeyTile = std::is_same_v<C, float> ? 64 : 256;
+constexpr int64_t kKeyTile = std::is_same_v<C, float> ? 128 : 256;
 // Query rows per GEMM (M): S and P of a block stay in L1/L2.
 template <typename C>
 constexpr int64_t kRowBlock = std::is_same_v<C, float> ? 64 : 128;
@@ -88,10 +90,8 @@ struct Scratch {
 // 2^t = 2^n * 2^f, t = x log2(e), n = round(t), |f| <= 1/2, 2^f by its degree-5 Taylor
 // polynomial (relative error < 3e-6 there, as ATen's exp_u20), scaled by 2^n with vscalefps;
 // 12 instructions. Elsewhere ATen's exp_u20.
-inline int64_t& experiment() { static int64_t value = 0; return value; }
 inline fVec softmax_exp(const fVec& x) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if (experiment() & 1) return x.exp_u20();
   const __m512 raw = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   // Below 2^-125 (and -inf) the result is 0: no denormal ever computed (they are slow).
   const __mmask16 normal = _mm512_cmp_ps_mask(raw, _mm512_set1_ps(-125.f), _CMP_GT_OQ);
@@ -290,7 +290,8 @@ struct Prefill {
     sc.rmax.resize(kRowBlock);
     sc.rescale.resize(kRowBlock);
     sc.shift.resize(kRowBlock);
-    if (sc.head_size != D) {  // the padding past D is zero for this head size (kept across calls)
+    if (sc.head_size != D || sc.k_plain.size() != static_cast<size_t>(dq * kKeyTile)) {
+      // the padding past D is zero for this head size and tile (kept across calls)
       sc.head_size = D;
       sc.k_rows.assign(kKeyTile * D, C(0.f));
       sc.k_plain.assign(dq * kKeyTile, C(0.f));
@@ -612,8 +613,6 @@ void dispatch(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
 }
 
 }  // namespace
-
-void set_experiment(int64_t value) { experiment() = value; }
 
 void run_prefill(const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const int64_t* table, int64_t table_stride,
