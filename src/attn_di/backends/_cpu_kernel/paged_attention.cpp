@@ -723,7 +723,9 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b)
     if (seqs[b].num_items > 1) merged.push_back(b);
   if (merged.empty()) return;
-  at::parallel_for(0, static_cast<int64_t>(merged.size()), 1, [&](int64_t begin, int64_t end) {
+  // Merging is light (rows x partitions x D): a few sequences merge on this thread, without
+  // waking the pool again.
+  at::parallel_for(0, static_cast<int64_t>(merged.size()), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> maxes, sums;
     std::vector<const float*> accs;
     for (int64_t m = begin; m < end; ++m) kernel.merge_sequence(seqs[merged[m]], maxes, sums, accs);

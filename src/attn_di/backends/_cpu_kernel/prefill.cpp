@@ -594,7 +594,9 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   std::vector<int64_t> merged;
   for (int64_t i = 0; i < num_items; ++i)
     if (items[i].parts > 1 && items[i].part == 0) merged.push_back(i);
-  at::parallel_for(0, static_cast<int64_t>(merged.size()), 1, [&](int64_t begin, int64_t end) {
+  // Merging is light (rows x partitions x D): a few sequences merge on this thread, without
+  // waking the pool again.
+  at::parallel_for(0, static_cast<int64_t>(merged.size()), 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) kernel.merge(items[merged[m]]);
   });
 }
