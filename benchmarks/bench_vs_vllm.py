@@ -15,7 +15,9 @@ that load from other processes falls on both alike; the table gives medians and 
 attn_di / vLLM within this run. Both outputs are checked against a float64 reference of the
 same batch in the same run. For scale the run also measures the machine's roofs with the
 same threads: the GEMM throughput of ``torch.mm`` (float32 and bfloat16; a prefill's
-attention is GEMM-bound) and one pass reading the K/V a decode reads.
+attention is GEMM-bound) and, for decode shapes, one pass reading the K/V a decode reads
+(a sum over attn_di's cache, timed in the same alternation, so it finds the caches in the
+state the contenders do: each evicts the other's K/V).
 
 Run inside the vLLM venv (``bash scripts/setup-vllm.sh`` makes ``.venv-vllm``)::
 
@@ -66,6 +68,7 @@ class Case(NamedTuple):
 
     run_ours: Callable[[], None]
     run_vllm: Callable[[], None]
+    read_kv: Callable[[], object]
     ours_out: torch.Tensor
     vllm_out: torch.Tensor
     reference: torch.Tensor
@@ -74,11 +77,12 @@ class Case(NamedTuple):
     isa: str
 
 
-def vllm_isa(dtype: torch.dtype, shape: Shape) -> str:
-    """The instruction set vLLM's CPU backend runs this configuration with on this machine."""
+def vllm_isa(dtype: torch.dtype, shape: Shape, forced: str | None = None) -> str:
+    """The instruction set vLLM's CPU backend runs this configuration with on this machine
+    (or ``forced``: e.g. ``vec``, its AVX-512 kernel, where it would pick ``amx``)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = _get_attn_isa(dtype, shape.block_size, shape.head_size)
+    isa = forced or _get_attn_isa(dtype, shape.block_size, shape.head_size)
     if isa == "amx":
         # vLLM's AMX kernel uses tile registers without asking the kernel for them; torch's
         # own call asks (in vLLM's engine something else has asked by then).
@@ -86,7 +90,7 @@ def vllm_isa(dtype: torch.dtype, shape: Shape) -> str:
     return isa
 
 
-def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0) -> Case:
+def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0, isa: str | None = None) -> Case:
     """Same keys, values and queries in attn_di's cache and in vLLM's."""
     import vllm._custom_ops as vllm_ops
 
@@ -115,7 +119,7 @@ def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0) -> Case:
             scale, 0, 0.0,
         )  # fmt: skip
 
-    isa = vllm_isa(dtype, shape)
+    isa = vllm_isa(dtype, shape, isa)
     packed = torch.zeros(num_blocks, kv_heads, 2 * bs, size, dtype=dtype)
     key_cache, value_cache = packed.chunk(2, dim=2)
     vllm_ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
@@ -133,7 +137,8 @@ def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0) -> Case:
     reference = reference_attention(query, keys, values, shape)
     flops = 4.0 * b * heads * size * sum(ctx - q + i + 1 for i in range(q))
     kv_bytes = 2.0 * b * ctx * kv_heads * size * keys.element_size()
-    return Case(run_ours, run_vllm, ours_out, vllm_out, reference, flops, kv_bytes, isa)
+    words = kv_cache.view(torch.float32) if dtype != torch.float32 else kv_cache
+    return Case(run_ours, run_vllm, words.sum, ours_out, vllm_out, reference, flops, kv_bytes, isa)
 
 
 def reference_attention(
@@ -170,14 +175,6 @@ def gemm_roof(dtype: torch.dtype) -> float:
     return 2 * 1024**3 / statistics.median(times) / 1e9
 
 
-def read_roof(nbytes: float) -> float:
-    """Seconds for one pass summing a buffer of ``nbytes`` (the K/V a decode reads)."""
-    data = torch.randn(int(nbytes) // 4)  # float32 words: the sum reads every byte once
-    for _ in range(2):
-        data.sum()
-    return statistics.median(timed(data.sum) for _ in range(7))
-
-
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
@@ -187,6 +184,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--only", default=",".join(SHAPES), help="comma-separated shapes")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--vllm-isa", default=None, help="force vLLM's kernel (vec, vec16, amx)")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     status = _cpu_kernel.kernel_status()
@@ -209,7 +207,7 @@ def main() -> None:
     for name in options.only.split(","):
         shape = SHAPES[name]
         for dtype in dtypes:
-            case = make_case(shape, dtype)
+            case = make_case(shape, dtype, isa=options.vllm_isa)
             for _ in range(2):
                 case.run_vllm()
                 case.run_ours()
@@ -220,12 +218,15 @@ def main() -> None:
             assert errors[0] <= TOLERANCE[dtype], f"attn_di's output is off by {errors[0]}"
             ours: list[float] = []
             peer: list[float] = []
+            floor: list[float] = []
             for _ in range(options.rounds):
                 peer.append(timed(case.run_vllm))
                 ours.append(timed(case.run_ours))
+                if shape.q == 1:
+                    floor.append(timed(case.read_kv))  # the whole cache: a little more than K/V
             t_ours, t_peer = statistics.median(ours), statistics.median(peer)
             if shape.q == 1:
-                roof = f"{read_roof(case.kv_bytes) * 1e3:.2f}ms"
+                roof = f"{statistics.median(floor) * 1e3:.2f}ms"
             else:
                 roof = f"{roofs[dtype]:.0f}"
             print(f"{name:<16} {str(dtype).removeprefix('torch.'):<9} {case.isa:<8} "
