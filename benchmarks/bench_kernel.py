@@ -1,4 +1,4 @@
-"""CPU_ATTN's compiled decode kernel against its pure-torch path, contiguous SDPA and the floor.
+"""CPU_ATTN's compiled kernels against its pure-torch path, contiguous SDPA and the floor.
 
 Shapes (32 query / 8 KV heads, head size 128 unless said; block size 16, shuffled block
 tables):
@@ -7,9 +7,8 @@ tables):
 * ``long``: batch 1, context 32768;
 * ``wide``: batch 32, context 512;
 * ``mixed``: batch 8, context 2048, half the sequences chunked prefills of 128 new tokens
-  (no contiguous peer; a batch with a query over ``KERNEL_MAX_QUERY`` tokens takes the
-  pure-torch path whole, so both rows run the same code: a check that mixed batches are no
-  slower than before);
+  (no contiguous peer; one op call: the decode kernel takes the decodes, the prefill kernel
+  the chunks);
 * ``spec``: batch 8, context 2048, 4 query tokens per sequence (chunked decode /
   speculative decoding), against the pure-torch path;
 * ``smollm2``: batch 4, context 544, 9 query / 3 KV heads of 64 (GQA groups of 3):
@@ -19,6 +18,8 @@ Contenders run round-robin (one call each per round, after a warm-up call), so l
 other processes falls on all alike; the table gives medians and ratios within this run.
 Peer: torch SDPA on the same K/V laid out contiguously ``[B, H_kv, L, D]`` with GQA folded
 into the query axis (exact for one query token). Floor: one pass summing K and one summing V.
+The kernel also runs on the same cache in head-major memory (each KV head's block contiguous,
+as vLLM's CPU backend keeps it): the measurement behind CPU_ATTN's declared layout.
 
 Run: ``python benchmarks/bench_kernel.py [--rounds N] [--threads N] [--only decode,long]``.
 """
@@ -108,8 +109,12 @@ def contenders_for(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], obj
     output = torch.empty(tokens, heads * head_size, dtype=dtype)
     impl = CPUAttentionImpl(heads, head_size, head_size**-0.5, kv_heads)
     forward = functools.partial(impl.forward, None, query, key, value, kv_cache, metadata, output)
+    head_major = kv_cache.transpose(2, 3).contiguous().transpose(2, 3)  # same values
     contenders: dict[str, Callable[[], object]] = {
         "CPU_ATTN kernel (paged)": forward,
+        "CPU_ATTN kernel (paged, head-major)": functools.partial(
+            impl.forward, None, query, key, value, head_major, metadata, output
+        ),
         "CPU_ATTN pure torch (paged)": functools.partial(pure_torch, forward),
     }
     if long_q == short_q == 1:

@@ -8,7 +8,10 @@ transformers model code; only the attention implementation and the cache differ:
 * ``attn_di:<MEMBER>``: attn_di's backend on a :class:`PagedCache` (block size 16).
 
 Reports the prefill time and the median decode-step time of each, and their ratio to ``sdpa``
-(targets for the best attn_di backend: prefill <= 1.1x, decode <= 1.0x). Contenders run
+(targets for the best attn_di backend: prefill <= 0.6x, decode <= 1.0x). ``--floor`` adds
+``no attention``: the same forwards with an attention function that returns zeros at once (on
+``DynamicCache``), i.e. everything but attention, the least any backend can take (its tokens
+are garbage and not compared). Contenders run
 round-robin, ``--rounds`` times, so the machine's load falls on all alike; the table shows the
 median over rounds. Run: ``python benchmarks/bench_transformers.py`` (``--markdown`` for
 docs/benchmarks.md; ``--batch 1 --prompt-len 32 --decode-steps 4 --rounds 1`` to smoke-test).
@@ -34,6 +37,14 @@ from attn_di.integrations.transformers import PagedCache, implementation_name, r
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MEMBERS = ["CPU_ATTN", "TORCH_SDPA", "FLEX_ATTENTION"]
+FLOOR = "attn_di_bench_no_attention"
+
+
+def no_attention(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Any, None]:
+    """An attention function that computes nothing: zeros of the output's shape
+    ``[B, q, H, D]`` (transformers' attention interface), for the floor row."""
+    batch, heads, q_len, size = query.shape
+    return query.new_zeros(batch, q_len, heads, size), None
 
 
 def load_model() -> Any:
@@ -51,7 +62,7 @@ def run_once(
 ) -> tuple[float, list[float], torch.Tensor]:
     """One prefill and ``steps`` greedy decode steps; (prefill s, [step s], new tokens)."""
     model.set_attn_implementation(implementation)
-    if implementation.startswith("attn_di"):
+    if implementation.startswith("attn_di:"):
         cache: Any = PagedCache(model.config)
     else:
         cache = transformers.DynamicCache(config=model.config)
@@ -83,6 +94,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--members", default=",".join(MEMBERS), help="attn_di backends")
     parser.add_argument("--markdown", action="store_true", help="print markdown table rows")
+    parser.add_argument("--floor", action="store_true", help="add the no-attention floor row")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,6 +105,9 @@ def main() -> None:
         0, model.config.vocab_size, (args.batch, args.prompt_len), generator=generator
     )
     contenders = ["sdpa", "eager"] + [implementation_name(m) for m in args.members.split(",")]
+    if args.floor:
+        transformers.AttentionInterface.register(FLOOR, no_attention)
+        contenders.append(FLOOR)
     prefill: dict[str, list[float]] = {name: [] for name in contenders}
     decode: dict[str, list[float]] = {name: [] for name in contenders}
     tokens: dict[str, torch.Tensor] = {}
@@ -121,10 +136,13 @@ def main() -> None:
     for name in contenders:
         p, d = statistics.median(prefill[name]), statistics.median(decode[name])
         same = "yes" if torch.equal(tokens[name], tokens["sdpa"]) else "no"
-        cache = "PagedCache" if name.startswith("attn_di") else "DynamicCache"
+        cache = "PagedCache" if name.startswith("attn_di:") else "DynamicCache"
+        label = f"{name} ({cache})"
+        if name == FLOOR:
+            label, same = "no attention (floor)", "-"
         rows.append(
             (
-                f"{name} ({cache})",
+                label,
                 f"{p * 1e3:.1f}",
                 f"{p / base_prefill:.2f}x",
                 f"{d * 1e3:.2f}",

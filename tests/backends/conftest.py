@@ -47,6 +47,14 @@ def _backend_cls(request: pytest.FixtureRequest) -> Iterator[type[AttentionBacke
     yield backend_cls
 
 
+@pytest.fixture(name="kernel")
+def _kernel() -> None:
+    """Skips the test where CPU_ATTN's kernel is unavailable (loaded once per session)."""
+    status = _cpu_kernel.kernel_status()
+    if not status.active:
+        pytest.skip(f"CPU_ATTN's kernel: {status.describe()}")
+
+
 @pytest.fixture(autouse=True, scope="session", name="_kernel_loaded")
 def _kernel_loaded() -> None:
     """Load (or build) CPU_ATTN's kernel once, before any test, so that its one fallback

@@ -44,14 +44,6 @@ TOLERANCES: dict[torch.dtype, float] = {
 }
 
 
-@pytest.fixture(name="kernel")
-def _kernel() -> None:
-    """Skips the test where the kernel is unavailable (the conftest has loaded it already)."""
-    status = _cpu_kernel.kernel_status()
-    if not status.active:
-        pytest.skip(f"CPU_ATTN's kernel: {status.describe()}")
-
-
 requires_kernel = pytest.mark.usefixtures("kernel")
 
 
@@ -114,13 +106,13 @@ def kernel_cases(draw: st.DrawFn) -> KernelCase:
 def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the calls of CPU_ATTN's kernel path."""
     calls: list[int] = []
-    original = cpu_attn.CPUAttentionImpl._decode_kernel
+    original = cpu_attn.CPUAttentionImpl._run_kernel
 
     def counted(*args: object, **kwargs: object) -> None:
         calls.append(1)
         original(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cpu_attn.CPUAttentionImpl, "_decode_kernel", counted)
+    monkeypatch.setattr(cpu_attn.CPUAttentionImpl, "_run_kernel", counted)
     return calls
 
 
@@ -387,16 +379,18 @@ def test_switch_refuses_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-def test_prefills_keep_the_torch_path(kernel_calls: list[int]) -> None:
-    """A batch with a query longer than KERNEL_MAX_QUERY goes through the pure-torch path whole."""
+def test_prefills_and_mixed_batches_take_the_kernel(kernel_calls: list[int]) -> None:
+    """A batch with a query longer than KERNEL_MAX_QUERY (a prefill beside a decode) goes
+    through the compiled kernels whole: one call, the prefill kernel taking the long one."""
     opts = Options(num_heads=4, num_kv_heads=2, head_size=64)
     long_query = cpu_attn.KERNEL_MAX_QUERY + 1
     batch = make_batch(opts, [long_query, 1], [long_query, 30], 16, torch.float32)
+    poison_unused_slots(batch.metadata, batch.kv_cache, 16)
     impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
 
     out = impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
 
-    assert kernel_calls == []
+    assert kernel_calls == [1]
     assert_matches(out, reference_attention(opts, batch), torch.float32)
 
 

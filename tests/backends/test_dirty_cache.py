@@ -63,7 +63,7 @@ SCENARIOS = {
 def _spy_paths(mocker: MockerFixture) -> dict[str, object]:
     """Spies on CPU_ATTN's four paths."""
     return {
-        "kernel": mocker.spy(CPUAttentionImpl, "_decode_kernel"),
+        "kernel": mocker.spy(CPUAttentionImpl, "_run_kernel"),
         "decode": mocker.spy(CPUAttentionImpl, "_decode_flash"),
         "flash": mocker.spy(CPUAttentionImpl, "_attend_flash"),
         "rows": mocker.spy(CPUAttentionImpl, "_attend_rows"),
@@ -138,8 +138,7 @@ def test_dirty_slots_do_not_change_the_output(
 
 def _expected_cpu_path(scenario: Scenario) -> str:
     """The compiled kernel where it is on and takes the batch, else the scenario's torch path."""
-    kernel_on = _cpu_kernel.paged_attention_op() is not None
-    if kernel_on and max(scenario.query_lens) <= cpu_attn.KERNEL_MAX_QUERY:
+    if _cpu_kernel.paged_attention_op() is not None:  # it takes every batch, prefills too
         return "kernel"
     return scenario.cpu_path
 

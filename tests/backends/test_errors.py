@@ -686,3 +686,47 @@ def test_a_larger_length_bound_is_accepted_and_exact(
     setattr(batch.metadata, field, bound)
     out = _forward(backend_cls, opts, batch)
     torch.testing.assert_close(out.double(), reference_attention(opts, batch), atol=1e-4, rtol=1e-4)
+
+
+_CHANGES: dict[str, tuple[Callable[[Batch], None], str]] = {
+    "query dtype": (
+        lambda b: setattr(b, "query", b.query.double()),
+        r"query: dtype torch.float64 is not supported",
+    ),
+    "key heads": (lambda b: setattr(b, "key", torch.randn(4, 4, 64)), r"key: shape \(4, 4, 64\)"),
+    "value device": (lambda b: setattr(b, "value", b.value.to("meta")), r"value: is on meta"),
+    "cache strides": (
+        lambda b: setattr(b, "kv_cache", torch.zeros(2, 8, 16, 2, 128)[..., ::2]),
+        r"kv_cache: strides .* must be contiguous",
+    ),
+    "metadata tensor": (
+        lambda b: setattr(b.metadata, "seq_lens", b.metadata.seq_lens.float()),
+        r"seq_lens: dtype torch.float32 is not an integer dtype",
+    ),
+    "metadata in place": (
+        lambda b: b.metadata.block_table.fill_(10_000),
+        r"block_table: holds block numbers outside",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_a_checked_call_shape_skips_no_check_a_changed_input_needs(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch, change: str
+) -> None:
+    """After a call passed its checks, a call with one thing changed (a tensor's dtype, shape,
+    device or strides, a metadata tensor, an in-place edit) is checked again and refused as
+    a first call would be, with the cache untouched: the remembered verdict covers only
+    inputs with the same properties and unchanged metadata."""
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    args = (batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    impl.forward(None, *args)
+    impl.forward(None, *args)  # the remembered path
+    mutate, message = _CHANGES[change]
+    mutate(batch)
+    before = batch.kv_cache.clone()
+
+    with pytest.raises(InvalidInputError, match=message):
+        impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+    assert not bool(differs(batch.kv_cache, before).any())

@@ -64,7 +64,11 @@ def check_inputs(
     """Check types, shapes, dtypes, devices and indices of one ``forward`` call.
 
     Everything is checked before ``forward`` writes the cache, so a refused call leaves
-    ``kv_cache`` untouched.
+    ``kv_cache`` untouched. The layers of a model step call this with inputs of one shape
+    and one metadata object: a call whose tensors have the properties of one already checked
+    for this impl (shapes, dtypes, devices, the cache's strides, autograd state; see
+    :func:`_signature`) and whose metadata is unchanged since its check (:func:`_metadata_stamp`)
+    costs a few attribute reads, not the checks again.
 
     Raises:
         InvalidInputError: naming the first offending input and its type, shape, dtype or
@@ -72,6 +76,70 @@ def check_inputs(
             or a ``kv_cache`` autograd would refuse to write in place (a leaf that requires
             grad, or a view of one, in grad mode).
     """
+    signature = _signature(query, key, value, kv_cache, output)
+    if signature is not None and signature in _checked_signatures(impl):
+        num_tokens = signature[0]
+        try:
+            stamp = _metadata_stamp(impl, kv_cache, metadata, num_tokens, query.device)
+        except AttributeError:  # not AttentionMetadata-shaped: the full checks say why
+            stamp = None
+        if stamp is not None and _same_stamp(_remembered(metadata), stamp):
+            return
+    _check_all(impl, query, key, value, kv_cache, metadata, output)
+    if signature is not None:
+        checked = _checked_signatures(impl)
+        if len(checked) >= _SIGNATURES_KEPT:
+            checked.clear()
+        checked.add(signature)
+
+
+# Signatures of inputs an impl's checks passed (per impl, a few: one per shape of step).
+_SIGNATURES_KEPT = 16
+_Signature = tuple[int, tuple[object, ...]]
+_SIGNATURES: weakref.WeakKeyDictionary[object, set[_Signature]] = weakref.WeakKeyDictionary()
+
+
+def _checked_signatures(impl: AttentionImpl) -> set[_Signature]:
+    """The signatures of inputs ``impl``'s checks passed."""
+    checked = _SIGNATURES.get(impl)
+    if checked is None:
+        checked = _SIGNATURES[impl] = set()
+    return checked
+
+
+def _signature(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor | None,
+) -> tuple[int, tuple[object, ...]] | None:
+    """``(num_tokens, what the tensor checks' verdict depends on)``: each tensor's shape,
+    dtype and device, the cache's strides, whether autograd would record (grad mode), and
+    whether there is an output buffer; None where the inputs are not all plain tensors, or
+    the cache requires grad (its autograd check looks at the graph: checked on every call)."""
+    tensors = (query, key, value, kv_cache)
+    if any(type(t) is not torch.Tensor for t in tensors):
+        return None
+    if (output is not None and type(output) is not torch.Tensor) or kv_cache.requires_grad:
+        return None
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    kinds = tuple((t.dtype, t.device) for t in tensors)
+    out = None if output is None else (tuple(output.shape), output.dtype, output.device)
+    facts = (shapes, kinds, kv_cache.stride(), out, torch.is_grad_enabled())
+    return (int(query.shape[0]) if query.dim() else 0), facts
+
+
+def _check_all(
+    impl: AttentionImpl,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    output: torch.Tensor | None,
+) -> None:
+    """Every check of :func:`check_inputs`, in order."""
     heads, kv_heads, size = impl.num_heads, impl.num_kv_heads, impl.head_size
     tensors = (("query", query), ("key", key), ("value", value), ("kv_cache", kv_cache))
     for argument, tensor in (*tensors, ("output", output)):
@@ -141,7 +209,7 @@ def check_inputs(
     if uses_cache(impl):
         _check_cache_autograd(kv_cache)
     _check_metadata_devices(metadata, query.device)
-    stamp = _metadata_stamp(impl, kv_cache, metadata, num_tokens)
+    stamp = _metadata_stamp(impl, kv_cache, metadata, num_tokens, query.device)
     if stamp is None or not _same_stamp(_remembered(metadata), stamp):
         _check_metadata(impl, kv_cache, metadata, num_tokens)
         if stamp is not None:
@@ -155,7 +223,11 @@ _STAMPS: dict[int, tuple[weakref.ref[object], _Stamp]] = {}
 
 
 def _metadata_stamp(
-    impl: AttentionImpl, kv_cache: torch.Tensor, metadata: AttentionMetadata, num_tokens: int
+    impl: AttentionImpl,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    num_tokens: int,
+    device: torch.device,
 ) -> _Stamp | None:
     """What :func:`_check_metadata`'s verdict depends on, or None where that cannot be known.
 
@@ -167,7 +239,8 @@ def _metadata_stamp(
     counter: metadata holding one is checked on every call (``AttentionMetadataBuilder``
     makes ordinary tensors even under ``torch.inference_mode()``). Writes torch does not see
     (through ``.numpy()``, ``.data`` or the storage) are not noticed, as autograd does not
-    notice them either.
+    notice them either. The query's device is part of it (the metadata's tensors, whose
+    types, ranks and devices were checked with it, must be on that device).
     """
     tensors = (
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table, metadata.slot_mapping
@@ -180,12 +253,25 @@ def _metadata_stamp(
         metadata.max_query_len,
         metadata.max_seq_len,
         metadata.causal,
+        # their types too: 4.0 == 4 and 1 == True, but only ints and a bool pass the checks
+        tuple(
+            map(
+                type,
+                (
+                    metadata.num_actual_tokens,
+                    metadata.max_query_len,
+                    metadata.max_seq_len,
+                    metadata.causal,
+                ),
+            )
+        ),
         num_tokens,
         uses_cache(impl),
         impl.num_kv_heads,
         impl.head_size,
         tuple(kv_cache.shape),
         kv_cache.stride(),
+        device,
     )
 
 

@@ -62,7 +62,7 @@ class GroupedAttentionImpl(AttentionImpl):
         if uses_cache(self):
             self._write_kv_cache(key[:actual], value[:actual], kv_cache, attn_metadata.slot_mapping)
         rows = result.view(-1, self.num_heads, self.head_size)
-        if self._forward_fast(query, kv_cache, attn_metadata, rows):
+        if self._forward_fast(query, key, value, kv_cache, attn_metadata, rows):
             return result
         if uses_cache(self):
             cache = cache_rows(kv_cache)
@@ -89,12 +89,17 @@ class GroupedAttentionImpl(AttentionImpl):
     def _forward_fast(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         rows: torch.Tensor,
     ) -> bool:
         """A backend's special path for the whole batch (after the cache write): True if it
-        filled ``rows`` ``[num_tokens, H, D]`` itself. None by default."""
+        filled ``rows`` ``[num_tokens, H, D]`` itself. None by default.
+
+        ``key``/``value`` are the batch's ``[num_tokens, H_kv, D]`` (the keys themselves
+        where the attention type has no cache)."""
         return False
 
     @abc.abstractmethod

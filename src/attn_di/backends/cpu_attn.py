@@ -1,11 +1,13 @@
-"""CPU_ATTN: paged attention on CPU, a compiled decode kernel over pure-torch paths.
+"""CPU_ATTN: paged attention on CPU, compiled decode and prefill kernels over pure-torch paths.
 
 ``softmax(q @ k^T * scale + mask) @ v`` (Vaswani et al. 2017) over each sequence's keys.
 Four paths:
 
-* batches of short queries (decode, chunked decode: at most :data:`KERNEL_MAX_QUERY`
-  tokens per sequence), no autograd, on CPU: the compiled kernel reads the paged cache in
-  place through the block table (:mod:`attn_di.backends._cpu_kernel`); every feature.
+* every batch without autograd, on CPU: the compiled kernels read the paged cache in place
+  through the block table (:mod:`attn_di.backends._cpu_kernel`), every feature: short causal
+  queries (decode, chunked decode, speculative tokens: at most :data:`KERNEL_MAX_QUERY`
+  tokens) through the decode kernel, every other sequence of the batch (prefill, chunked
+  prefill, encoder attention) through the prefill kernel (flash attention on GEMM tiles).
   Unless it is unavailable or switched off (``ATTN_DI_CPU_KERNEL=0``); then the pure-torch
   paths below, which gather keys from the paged cache in cache-sized chunks whose results
   are merged exactly (online softmax / log-sum-exp):
@@ -39,8 +41,8 @@ from attn_di.backends._grouped import GroupedAttentionImpl, TorchCPUBackend
 
 __all__ = ["KERNEL_MAX_QUERY", "CPUAttentionBackend", "CPUAttentionImpl"]
 
-#: Longest query (tokens per sequence) the compiled kernel takes; longer ones are prefills,
-#: compute-bound, where torch's flash kernel (matrix products) is faster.
+#: Longest query (tokens per sequence) the compiled decode kernel takes (causal); longer ones
+#: (prefills, compute-bound) go to the compiled prefill kernel, which runs on GEMM tiles.
 KERNEL_MAX_QUERY = 16
 
 
@@ -125,35 +127,70 @@ class CPUAttentionImpl(GroupedAttentionImpl):
     def _forward_fast(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         rows: torch.Tensor,
     ) -> bool:
-        """Short queries take the compiled kernel (:meth:`_decode_kernel`), else pure decode
-        batches :meth:`_decode_flash`; everything else the grouped path."""
-        if not uses_cache(self):
-            return False
-        if _kernel_applies(query, kv_cache, metadata):
+        """The compiled kernels where they apply (:meth:`_run_kernel`; without a cache, over
+        the batch's own keys, :meth:`_encoder_kernel`), else pure decode batches
+        :meth:`_decode_flash`; everything else the grouped path."""
+        cached = uses_cache(self)
+        if _kernel_applies(query, kv_cache if cached else key, metadata):
             kernel = _cpu_kernel.paged_attention_op()
             if kernel is not None:
-                self._decode_kernel(kernel, query, kv_cache, metadata, rows)
+                if cached:
+                    self._run_kernel(kernel, query, kv_cache[0], kv_cache[1], metadata, rows)
+                else:
+                    self._encoder_kernel(kernel, query, key, value, metadata, rows)
                 return True
-        if _is_pure_decode(self, query, kv_cache, metadata):
+        if cached and _is_pure_decode(self, query, kv_cache, metadata):
             self._decode_flash(query, kv_cache, metadata, rows)
             return True
         return False
 
-    def _decode_kernel(
+    def _encoder_kernel(
         self,
         kernel: Any,
         query: torch.Tensor,
-        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> None:
+        """Encoder attention (no cache, bidirectional) through the compiled kernels: the
+        batch's keys and values are a cache of one-token blocks, token ``t`` block ``t``, and
+        sequence ``b``'s block table lists its own tokens."""
+        starts = metadata.query_start_loc.long()
+        q_lens = starts[1:] - starts[:-1]
+        width = int(q_lens.max()) if q_lens.numel() else 0
+        table = starts[:-1, None] + torch.arange(width, device=starts.device)[None, :]
+        encoder = AttentionMetadata(
+            num_actual_tokens=metadata.num_actual_tokens,
+            max_query_len=width,
+            query_start_loc=metadata.query_start_loc,
+            max_seq_len=width,
+            seq_lens=q_lens,
+            block_table=table,
+            slot_mapping=metadata.slot_mapping,
+            causal=False,
+        )
+        self._run_kernel(kernel, query, key.unsqueeze(1), value.unsqueeze(1), encoder, rows)
+
+    def _run_kernel(
+        self,
+        kernel: Any,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         rows: torch.Tensor,
     ) -> None:
         """Attention of every query straight from the paged cache into ``rows``, compiled.
 
-        ``kernel`` is ``torch.ops.attn_di.paged_attention``; it reads only the slots of
+        ``kernel`` is ``torch.ops.attn_di.paged_attention``; ``key_cache``/``value_cache``
+        are ``[num_blocks, block_size, H_kv, D]`` planes. It reads only the slots of
         positions each query may see, so garbage elsewhere in the cache never reaches
         ``rows``. The fixed layer options are converted once per impl; the sinks are passed
         as they are on every call (the kernel reads them as float32), so in-place updates
@@ -172,14 +209,15 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         target = rows if rows.stride(-1) == 1 else rows.contiguous()
         kernel(
             query,
-            kv_cache[0],
-            kv_cache[1],
+            key_cache,
+            value_cache,
             metadata.block_table,
             metadata.seq_lens,
             metadata.query_start_loc,
             target,
             *self._kernel_options,
             None if self.sinks is None else self.sinks.detach(),
+            bool(metadata.causal),
         )
         if target is not rows:
             rows.copy_(target)
@@ -451,22 +489,13 @@ def _use_flash_kernel(
     return not _wants_grad(query, key_src, value_src)
 
 
-def _kernel_applies(
-    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
-) -> bool:
-    """Whether the compiled kernel may run this call (if it is loaded).
-
-    Every query is at most :data:`KERNEL_MAX_QUERY` tokens, queries are causal (or single
-    tokens, which see their whole prefix either way), the cache is in the query's dtype, all
-    on CPU, and no gradient is wanted.
-    """
-    if query.device.type != "cpu" or kv_cache.dtype != query.dtype:
+def _kernel_applies(query: torch.Tensor, keys: torch.Tensor, metadata: AttentionMetadata) -> bool:
+    """Whether the compiled kernels may run this call (if they are loaded): any batch whose
+    keys (the cache, or the batch's own keys without one) are in the query's dtype, all on
+    CPU, with no gradient wanted (the kernels record no autograd history)."""
+    if query.device.type != "cpu" or keys.dtype != query.dtype or not metadata.num_seqs:
         return False
-    if not metadata.num_seqs or metadata.max_query_len > KERNEL_MAX_QUERY:
-        return False
-    if not (metadata.causal or metadata.max_query_len == 1):
-        return False
-    return not _wants_grad(query, kv_cache)
+    return not _wants_grad(query, keys)
 
 
 def _wants_grad(*tensors: torch.Tensor) -> bool:

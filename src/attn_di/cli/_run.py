@@ -418,7 +418,7 @@ def _run_one(
             )
             times.append(time.perf_counter() - start)
             advance()
-    decode_path = _cpu_attn_path(impl, problem, kv_cache)
+    decode_path = _cpu_attn_path(impl)
     error = float((output.to(torch.float64) - problem.reference).abs().max())
     median = statistics.median(times)
     num_tokens = int(problem.query.shape[0])
@@ -435,25 +435,17 @@ def _run_one(
     }
 
 
-def _cpu_attn_path(impl: Any, problem: _Problem, kv_cache: Any) -> str | None:
+def _cpu_attn_path(impl: Any) -> str | None:
     """Which of CPU_ATTN's paths ran this batch (None for other backends' impls).
 
     ``compiled kernel (<isa>)`` or ``pure torch: <reason>``, as ``attn-di list`` words it;
-    with the kernel loaded, batches with a query longer than ``KERNEL_MAX_QUERY`` tokens
-    (prefills) still take the pure-torch path.
+    the compiled kernels take every batch (decode, prefill, mixed) when loaded.
     """
     from attn_di.backends import cpu_attn
 
     if not isinstance(impl, cpu_attn.CPUAttentionImpl):
         return None
-    described = describe_cpu_attn_decode()
-    kernel_loaded = bool(described and described.startswith("compiled kernel"))
-    if kernel_loaded and not cpu_attn._kernel_applies(problem.query, kv_cache, problem.metadata):
-        return (
-            f"pure torch: queries of more than {cpu_attn.KERNEL_MAX_QUERY} tokens "
-            "(the kernel takes decode and short chunks)"
-        )
-    return described
+    return describe_cpu_attn_decode()
 
 
 def _print_results(

@@ -1,8 +1,11 @@
-"""CPU_ATTN's compiled decode kernel: build, load and report (``paged_attention.cpp``).
+"""CPU_ATTN's compiled kernels: build, load and report.
 
-The kernel is C++ against torch's own headers, registered as the operator
-``torch.ops.attn_di.paged_attention`` (``TORCH_LIBRARY``, no pybind11), built with
-``torch.utils.cpp_extension`` just in time into a cache directory and loaded from there on
+The kernels are C++ against torch's own headers (``paged_attention.cpp``: the operator, its
+argument checks and the decode kernel; ``prefill.cpp``: the prefill kernel on ATen's
+batch-reduce GEMMs; ``kernel.h``: what they share), registered as the operators
+``torch.ops.attn_di.paged_attention`` and ``write_kv_cache`` (``TORCH_LIBRARY``, no
+pybind11), built with ``torch.utils.cpp_extension`` just in time into a cache directory and
+loaded from there on
 later runs without the compiler. ``scripts/setup.sh`` builds it ahead
 (``python -m attn_di.backends._cpu_kernel build``).
 
@@ -69,7 +72,10 @@ ENV_SWITCH = "ATTN_DI_CPU_KERNEL"
 #: Where builds go (default ``$XDG_CACHE_HOME/attn_di/kernels``, else ``~/.cache/...``).
 ENV_CACHE = "ATTN_DI_KERNEL_CACHE"
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_DIRECTORY = Path(__file__).parent
+#: The kernel library's sources: the op, its checks and the decode kernel; the prefill kernel;
+#: what they share. A change to any of them rebuilds.
+_SOURCES = tuple(_DIRECTORY / name for name in ("paged_attention.cpp", "prefill.cpp", "kernel.h"))
 _OFF, _ON = ("0", "off", "false", "no"), ("", "1", "on", "true", "yes")
 _COMMON_FLAGS = ("-O3", "-fopenmp")
 # Flags per torch CPU capability, as torch compiles its own kernels for each (x86-64 only).
@@ -294,7 +300,7 @@ def _compile(name: str, isa: str, directory: Path, verbose: bool) -> None:
         os.environ["PATH"] = os.pathsep.join((_ninja_dir(), path))
         cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in _SOURCES if path.suffix == ".cpp"],
             extra_cflags=list(_flags(isa)),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -440,7 +446,9 @@ def _build_dir(isa: str) -> tuple[str, Path]:
     """``(library name, build directory)``: named by ISA and a hash of what the build uses."""
     import torch
 
-    digest = hashlib.sha256(_SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes() + b"\0")
     for part in (*_flags(isa), torch.__version__, platform.machine()):
         digest.update(b"\0" + part.encode())
     name = f"attn_di_cpu_{isa}_{digest.hexdigest()[:12]}"

@@ -34,53 +34,30 @@
 // product, so garbage (NaN/Inf) anywhere else in the cache cannot reach the output.
 // Accumulation is float32 whatever the cache dtype.
 
+#include "kernel.h"
+
+#include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
 #include <numeric>
-#include <type_traits>
-#include <vector>
-
-#ifndef ATTN_DI_KERNEL_ISA
-#define ATTN_DI_KERNEL_ISA default
-#endif
-#define ATTN_DI_STRINGIFY_(x) #x
-#define ATTN_DI_STRINGIFY(x) ATTN_DI_STRINGIFY_(x)
 
 namespace attn_di_kernel {
 namespace {
 
-using fVec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = fVec::size();
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Most float scores an item keeps at once (query rows x keys): 256 KiB, an L2's share.
 constexpr int64_t kScoreBudget = 64 * 1024;
 // Fewest keys per partition: below this the merge and the per-item set-up dominate.
 constexpr int64_t kMinPartition = 256;
 
-struct Options {
-  int64_t heads, kv_heads, group, head_size, block_size, num_blocks;
-  float scale;
-  int64_t window;     // 0: none
-  float soft_cap;     // 0: none
-  const float* alibi; // [H] or nullptr
-  const float* sinks; // [H] or nullptr
-};
+// Longest query (tokens per sequence) the decode kernel takes; longer ones, and non-causal
+// queries of more than one token, go to the prefill kernel (prefill.cpp).
+constexpr int64_t kDecodeMaxQuery = 16;
 
 struct Sequence {
   int64_t first_query, q_len, seq_len, lo;  // lo: first key any of its queries sees
+  bool prefill;  // attended by the prefill kernel
   int64_t first_item, num_items;
   int64_t partial_offset;  // into the partial buffers, in rows, when num_items > 1
 };
@@ -271,31 +248,6 @@ inline void value_tile(const T* const* v, int64_t nt, const float* p, int64_t p_
   }
 }
 
-// One strided cache plane ([num_blocks, block_size, H_kv, D], last dim contiguous).
-template <typename T>
-struct CacheView {
-  const T* base;
-  int64_t block_stride, token_stride, head_stride;
-
-  // The token row of position `offset` in block `block` (its KV head 0).
-  const T* row(int64_t block, int64_t offset) const {
-    return base + block * block_stride + offset * token_stride;
-  }
-};
-
-// D values of a cache row as float32 into `dst`.
-template <typename T>
-inline void convert_head(const T* src, int64_t n, float* dst) {
-  using bVec = at::vec::Vectorized<T>;
-  int64_t i = 0;
-  for (; i + bVec::size() <= n; i += bVec::size()) {
-    auto converted = at::vec::convert_to_float<T>(bVec::loadu(src + i));
-    std::get<0>(converted).store(dst + i);
-    std::get<1>(converted).store(dst + i + kLanes);
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
 // A token row (H_kv heads of D values, head g at row + g * head_stride) as float32 [H_kv, D]:
 // the row itself where it already is that (float32, heads adjacent), else a copy in `scratch`.
 template <typename T>
@@ -369,9 +321,16 @@ inline void for_head_groups(int64_t G, F&& f) {
 // Tokens per tile: rows whose pointers are resolved together and read register-blocked.
 constexpr int64_t kTile = 16;
 
-// Per-thread scratch, grown as needed and reused across items.
+// Per-thread scratch, kept by each thread of the pool across calls (a decode step's calls are
+// short: allocating per call would cost as much as the work), grown as needed.
 struct Scratch {
-  std::vector<float> queries, scores, acc, key_row, value_row, pattern;
+  std::vector<float> queries, scores, acc, key_row, value_row, pattern, row_max, row_sum, stage;
+  const float* staged[kTile];  // rows of `stage`, as score_tile / value_tile take them
+
+  static Scratch& of_this_thread() {
+    thread_local Scratch scratch;
+    return scratch;
+  }
 };
 
 // Softmax numerators of a token-major score block (scores[j * rows + r], n keys) in place:
@@ -388,37 +347,39 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* ro
                                float* row_sum, std::vector<float>& pattern) {
   const int64_t total = n * rows;
   const int64_t period = std::lcm(rows, kLanes);
-  const int64_t periods = total / period;
-  const int64_t swept = periods * period;
+  const int64_t used = std::min(period, total);  // lanes of the pattern that hold a score
   pattern.assign(2 * period, kNegInf);
   float* lanes = pattern.data();       // running max, then the shift, per lane of a period
   float* sums = lanes + period;        // running sum per lane of a period
-  for (int64_t c = 0; c < periods; ++c) {
-    const float* block = scores + c * period;
-    for (int64_t k = 0; k < period; k += kLanes)
-      at::vec::maximum(fVec::loadu(lanes + k), fVec::loadu(block + k)).store(lanes + k);
-  }
-  for (int64_t p = 0; p < std::min(period, total); ++p)
-    row_max[p % rows] = std::max(row_max[p % rows], lanes[p]);
-  for (int64_t i = swept; i < total; ++i) row_max[i % rows] = std::max(row_max[i % rows], scores[i]);
-  for (int64_t p = 0; p < period; ++p) {
-    const float peak = row_max[p % rows];
-    lanes[p] = peak == kNegInf ? 0.f : peak;
-    sums[p] = 0.f;
-  }
-  for (int64_t c = 0; c < periods; ++c) {
-    float* block = scores + c * period;
-    for (int64_t k = 0; k < period; k += kLanes) {
-      const fVec e = (fVec::loadu(block + k) - fVec::loadu(lanes + k)).exp_u20();
-      e.store(block + k);
-      (fVec::loadu(sums + k) + e).store(sums + k);
+  // Periods start at multiples of `period`, the last one possibly partial: lane k of every
+  // period belongs to row k % rows.
+  for (int64_t c = 0; c < total; c += period) {
+    const int64_t len = std::min(period, total - c);
+    for (int64_t k = 0; k < len; k += kLanes) {
+      const int64_t count = std::min(kLanes, len - k);
+      const fVec old = fVec::loadu(lanes + k);
+      const fVec peak = at::vec::maximum(old, fVec::loadu(scores + c + k, count));
+      fVec::set(old, peak, count).store(lanes + k);
     }
   }
-  for (int64_t p = 0; p < std::min(period, total); ++p) row_sum[p % rows] += sums[p];
-  for (int64_t i = swept; i < total; ++i) {
-    scores[i] = std::exp(scores[i] - lanes[i % rows]);
-    row_sum[i % rows] += scores[i];
+  for (int64_t p = 0, r = 0; p < used; ++p, r = r + 1 == rows ? 0 : r + 1)
+    row_max[r] = std::max(row_max[r], lanes[p]);
+  for (int64_t p = 0, r = 0; p < period; ++p, r = r + 1 == rows ? 0 : r + 1) {
+    lanes[p] = row_max[r] == kNegInf ? 0.f : row_max[r];
+    sums[p] = 0.f;
   }
+  const fVec zero(0.f);
+  for (int64_t c = 0; c < total; c += period) {
+    float* block = scores + c;
+    const int64_t len = std::min(period, total - c);
+    for (int64_t k = 0; k < len; k += kLanes) {
+      const int64_t count = std::min(kLanes, len - k);
+      const fVec e = (fVec::loadu(block + k, count) - fVec::loadu(lanes + k)).exp_u20();
+      e.store(block + k, count);
+      (fVec::loadu(sums + k) + fVec::set(zero, e, count)).store(sums + k);
+    }
+  }
+  for (int64_t p = 0, r = 0; p < used; ++p, r = r + 1 == rows ? 0 : r + 1) row_sum[r] += sums[p];
 }
 
 template <typename T>
@@ -436,6 +397,26 @@ struct Kernel {
   float* partial_acc;  // [rows, D] per partial row
   float* partial_max;  // [rows]
   float* partial_sum;  // [rows]
+
+  // One KV head's rows of a tile (D values each, `offset` into each token row) for the
+  // register-blocked tiles: in place for float32; for bfloat16/float16 converted once into
+  // one contiguous block of scratch, each row read once and in order (read in place, rows a
+  // token row apart, a power of two bytes, fall into a few L1 sets, and value_tile reads each
+  // several times, once per 32 values of D: measured 10-20% slower).
+  const float* const* head_tile(const T* const* tile_rows, int64_t nt, int64_t offset,
+                                int64_t size, Scratch& sc) const {
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t t = 0; t < nt; ++t) sc.staged[t] = tile_rows[t] + offset;
+    } else {
+      sc.stage.resize(kTile * size);
+      for (int64_t t = 0; t < nt; ++t) {
+        float* dst = sc.stage.data() + t * size;
+        convert_head<T>(tile_rows[t] + offset, size, dst);
+        sc.staged[t] = dst;
+      }
+    }
+    return sc.staged;
+  }
 
   const T* key_row(const CacheView<T>& view, const Sequence&, int64_t seq, int64_t pos) const {
     return view.row(table[seq * table_stride + pos / o.block_size], pos % o.block_size);
@@ -466,7 +447,6 @@ struct Kernel {
     // in tiles of kTile tokens; a tile every query row sees whole (always so in decode) takes
     // the register-blocked path.
     const T* tile_rows[kTile];
-    const T* head_rows[kTile];
     auto modify_scores = [&](int64_t j, int64_t r_lo, int64_t r_hi) {
       float* sj = scores + j * rows;
       if (o.soft_cap > 0.f) {
@@ -487,15 +467,16 @@ struct Kernel {
           prefetch_row(key_row(keys, s, item.seq, item.start + t), o.kv_heads, D, keys.head_stride);
       if (full_tile(s, o, item.start + j0, nt)) {
         for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(keys, s, item.seq, item.start + j0 + t);
-        for (int64_t i = 0; i < s.q_len; ++i)
-          for (int64_t g = 0; g < o.kv_heads; ++g) {
-            for (int64_t t = 0; t < nt; ++t) head_rows[t] = tile_rows[t] + g * keys.head_stride;
+        for (int64_t g = 0; g < o.kv_heads; ++g) {
+          const float* const* staged = head_tile(tile_rows, nt, g * keys.head_stride, D, sc);
+          for (int64_t i = 0; i < s.q_len; ++i) {
             const int64_t r0 = i * H + g * G;
             float* out = scores + j0 * rows + r0;
             for_head_groups(G, [&](auto nr, int64_t h) {
-              score_tile<T, decltype(nr)::value>(head_rows, nt, q + (r0 + h) * D, D, out + h, rows);
+              score_tile<float, decltype(nr)::value>(staged, nt, q + (r0 + h) * D, D, out + h, rows);
             });
           }
+        }
         if (o.soft_cap > 0.f || o.alibi != nullptr)
           for (int64_t t = 0; t < nt; ++t) modify_scores(j0 + t, 0, rows);
         continue;
@@ -523,7 +504,10 @@ struct Kernel {
       }
     }
     // Softmax numerators in place (a row without a visible key keeps max -inf and sum 0).
-    std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f);
+    sc.row_max.assign(rows, kNegInf);
+    sc.row_sum.assign(rows, 0.f);
+    std::vector<float>& row_max = sc.row_max;
+    std::vector<float>& row_sum = sc.row_sum;
     softmax_numerators(scores, n, rows, row_max.data(), row_sum.data(), sc.pattern);
     // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only.
     for (int64_t j0 = 0; j0 < n; j0 += kTile) {
@@ -532,15 +516,16 @@ struct Kernel {
           prefetch_row(key_row(values, s, item.seq, item.start + t), o.kv_heads, D, values.head_stride);
       if (full_tile(s, o, item.start + j0, nt)) {
         for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(values, s, item.seq, item.start + j0 + t);
-        for (int64_t i = 0; i < s.q_len; ++i)
-          for (int64_t g = 0; g < o.kv_heads; ++g) {
-            for (int64_t t = 0; t < nt; ++t) head_rows[t] = tile_rows[t] + g * values.head_stride;
+        for (int64_t g = 0; g < o.kv_heads; ++g) {
+          const float* const* staged = head_tile(tile_rows, nt, g * values.head_stride, D, sc);
+          for (int64_t i = 0; i < s.q_len; ++i) {
             const int64_t r0 = i * H + g * G;
             const float* pj = scores + j0 * rows + r0;
             for_head_groups(G, [&](auto nr, int64_t h) {
-              value_tile<T, decltype(nr)::value>(head_rows, nt, pj + h, rows, acc + (r0 + h) * D, D);
+              value_tile<float, decltype(nr)::value>(staged, nt, pj + h, rows, acc + (r0 + h) * D, D);
             });
           }
+        }
         continue;
       }
       for (int64_t j = j0; j < j0 + nt; ++j) {
@@ -643,13 +628,37 @@ void check_dense_cpu(const char* op, const at::Tensor& t, const char* name) {
 }
 
 // An integer index tensor of rank `rank`, as int64 and contiguous (a copy only if needed).
-at::Tensor index_tensor(const char* op, const at::Tensor& t, const char* name, int64_t rank) {
+// An integer index tensor ([rows] or [rows, cols]) read as int64: its own memory where it is
+// int64 and contiguous, else a copy made here (no ATen op: a decode step's calls are short).
+struct Indices {
+  const int64_t* data = nullptr;
+  int64_t rows = 0, cols = 1;
+  std::vector<int64_t> copy;
+};
+
+Indices index_tensor(const char* op, const at::Tensor& t, const char* name, int64_t rank) {
   check_dense_cpu(op, t, name);
   TORCH_CHECK(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), "attn_di ", op, ": ",
               name, " must be an integer tensor, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == rank, "attn_di ", op, ": ", name, " must be ", rank, "-D, got shape ",
               t.sizes());
-  return t.to(at::kLong).contiguous();
+  Indices ix;
+  ix.rows = t.size(0);
+  ix.cols = rank == 2 ? t.size(1) : 1;
+  if (t.scalar_type() == at::kLong && t.is_contiguous()) {
+    ix.data = t.const_data_ptr<int64_t>();
+    return ix;
+  }
+  ix.copy.resize(ix.rows * ix.cols);
+  const int64_t row_stride = t.stride(0), col_stride = rank == 2 ? t.stride(1) : 0;
+  AT_DISPATCH_INTEGRAL_TYPES(t.scalar_type(), "attn_di_indices", [&] {
+    const scalar_t* src = t.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < ix.rows; ++i)
+      for (int64_t j = 0; j < ix.cols; ++j)
+        ix.copy[i * ix.cols + j] = static_cast<int64_t>(src[i * row_stride + j * col_stride]);
+  });
+  ix.data = ix.copy.data();
+  return ix;
 }
 
 // key_cache and value_cache: [num_blocks, block_size, H_kv, D] views of one dtype, last dim
@@ -674,13 +683,8 @@ void check_caches(const char* op, const at::Tensor& key_cache, const at::Tensor&
 }
 
 template <typename T>
-CacheView<T> cache_view(const at::Tensor& cache) {
-  return {cache.const_data_ptr<T>(), cache.stride(0), cache.stride(1), cache.stride(2)};
-}
-
-template <typename T>
 void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-         const at::Tensor& table, std::vector<Sequence>& seqs, std::vector<Item>& items,
+         const Indices& table, std::vector<Sequence>& seqs, std::vector<Item>& items,
          at::Tensor& out, const Options& o, int64_t partial_rows) {
   std::vector<float> partial_acc(partial_rows * o.head_size), partial_max(partial_rows),
       partial_sum(partial_rows);
@@ -689,8 +693,8 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
                    query.stride(1),
                    cache_view<T>(key_cache),
                    cache_view<T>(value_cache),
-                   table.const_data_ptr<int64_t>(),
-                   table.stride(0),
+                   table.data,
+                   table.cols,
                    out.mutable_data_ptr<T>(),
                    out.stride(0),
                    out.stride(1),
@@ -711,7 +715,7 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch;
+    Scratch& scratch = Scratch::of_this_thread();
     for (int64_t at = next.fetch_add(1); at < num_items; at = next.fetch_add(1))
       kernel.run_item(items[order[at]], scratch);
   });
@@ -719,7 +723,9 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b)
     if (seqs[b].num_items > 1) merged.push_back(b);
   if (merged.empty()) return;
-  at::parallel_for(0, static_cast<int64_t>(merged.size()), 1, [&](int64_t begin, int64_t end) {
+  // Merging is light (rows x partitions x D): a few sequences merge on this thread, without
+  // waking the pool again.
+  at::parallel_for(0, static_cast<int64_t>(merged.size()), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> maxes, sums;
     std::vector<const float*> accs;
     for (int64_t m = begin; m < end; ++m) kernel.merge_sequence(seqs[merged[m]], maxes, sums, accs);
@@ -739,7 +745,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
                      const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
                      at::Tensor& out, double scale, int64_t sliding_window, double soft_cap,
                      const std::optional<at::Tensor>& alibi_slopes_in,
-                     const std::optional<at::Tensor>& sinks_in) {
+                     const std::optional<at::Tensor>& sinks_in, bool causal) {
   constexpr const char* op = "paged_attention";
   check_dense_cpu(op, query_in, "query");
   check_dense_cpu(op, out, "out");
@@ -786,27 +792,29 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     sinks = head_option(sinks_in, "sinks", o.heads);
     o.sinks = sinks.const_data_ptr<float>();
   }
-  const at::Tensor table = index_tensor(op, block_table_in, "block_table", 2);
-  const at::Tensor seq_lens = index_tensor(op, seq_lens_in, "seq_lens", 1);
-  const at::Tensor starts = index_tensor(op, query_start_loc_in, "query_start_loc", 1);
-  const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(starts.size(0) == num_seqs + 1, "attn_di paged_attention: query_start_loc must be [B + 1] = [",
-              num_seqs + 1, "] (B = seq_lens' length), got shape ", starts.sizes());
-  TORCH_CHECK(table.size(0) == num_seqs, "attn_di paged_attention: block_table must be [B, max_blocks] with B = ",
-              num_seqs, ", got shape ", table.sizes());
-  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
-  const int64_t* qsl = starts.const_data_ptr<int64_t>();
-  const int64_t* blocks = table.const_data_ptr<int64_t>();
+  const Indices table = index_tensor(op, block_table_in, "block_table", 2);
+  const Indices seq_lens = index_tensor(op, seq_lens_in, "seq_lens", 1);
+  const Indices starts = index_tensor(op, query_start_loc_in, "query_start_loc", 1);
+  const int64_t num_seqs = seq_lens.rows;
+  TORCH_CHECK(starts.rows == num_seqs + 1, "attn_di paged_attention: query_start_loc must be [B + 1] = [",
+              num_seqs + 1, "] (B = seq_lens' length), got shape ", query_start_loc_in.sizes());
+  TORCH_CHECK(table.rows == num_seqs, "attn_di paged_attention: block_table must be [B, max_blocks] with B = ",
+              num_seqs, ", got shape ", block_table_in.sizes());
+  const int64_t* lens = seq_lens.data;
+  const int64_t* qsl = starts.data;
+  const int64_t* blocks = table.data;
   const int64_t rows_in = std::min<int64_t>(query.size(0), out.size(0));
   TORCH_CHECK(num_seqs == 0 || (qsl[0] >= 0 && qsl[num_seqs] <= rows_in),
-              "attn_di paged_attention: query_start_loc ", starts.sizes(), " must lie in [0, ",
+              "attn_di paged_attention: query_start_loc ", query_start_loc_in.sizes(), " must lie in [0, ",
               rows_in, "] (query has ", query.size(0), " rows, out ", out.size(0), "), got [",
               num_seqs ? qsl[0] : 0, ", ..., ", num_seqs ? qsl[num_seqs] : 0, "]");
 
-  // Plan: each sequence's visible key range, cut into partitions.
+  // Plan: short causal queries (decode, chunked decode) go to the decode kernel below, each
+  // sequence's visible key range cut into partitions; the others to the prefill kernel.
   std::vector<Sequence> seqs(num_seqs);
+  std::vector<PrefillSeq> prefills;
   int64_t total_keys = 0, max_rows = 1;
-  const int64_t max_blocks = table.size(1);
+  const int64_t max_blocks = table.cols;
   for (int64_t b = 0; b < num_seqs; ++b) {
     Sequence& s = seqs[b];
     s.first_query = qsl[b];
@@ -823,11 +831,14 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     const int64_t first_pos = s.seq_len - s.q_len;
     s.lo = o.window > 0 ? std::max<int64_t>(0, first_pos - o.window + 1) : 0;
     if (s.q_len == 0) s.lo = s.seq_len;
+    s.prefill = s.q_len > kDecodeMaxQuery || (!causal && s.q_len > 1);
+    if (s.prefill) prefills.push_back({b, s.first_query, s.q_len, s.seq_len});
     for (int64_t c = s.lo / o.block_size; c * o.block_size < s.seq_len; ++c) {
       const int64_t block = blocks[b * max_blocks + c];
       TORCH_CHECK(block >= 0 && block < o.num_blocks, "attn_di paged_attention: block_table[", b, ", ", c,
                   "] = ", block, " is outside the cache's blocks [0, ", o.num_blocks, ")");
     }
+    if (s.prefill) continue;
     total_keys += (s.seq_len - s.lo) * std::max<int64_t>(1, s.q_len);
     max_rows = std::max(max_rows, s.q_len * o.heads);
   }
@@ -840,7 +851,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     Sequence& s = seqs[b];
     s.first_item = static_cast<int64_t>(items.size());
     const int64_t rows = s.q_len * o.heads;
-    if (rows == 0) {
+    if (rows == 0 || s.prefill) {
       s.num_items = 0;
       continue;
     }
@@ -861,21 +872,20 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     s.partial_offset = partial_rows;
     if (s.num_items > 1) partial_rows += s.num_items * rows;
   }
-  if (items.empty()) return;
-  switch (key_cache.scalar_type()) {
-    case at::kFloat:
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "attn_di paged_attention: unsupported dtype ", dtype,
+              " (float32, bfloat16 and float16 are)");
+  if (!items.empty()) {
+    if (dtype == at::kFloat) {
       run<float>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
-      break;
-    case at::kBFloat16:
+    } else if (dtype == at::kBFloat16) {
       run<c10::BFloat16>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
-      break;
-    case at::kHalf:
+    } else {
       run<c10::Half>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
-      break;
-    default:
-      TORCH_CHECK(false, "attn_di paged_attention: unsupported dtype ", key_cache.scalar_type(),
-                  " (float32, bfloat16 and float16 are)");
+    }
   }
+  run_prefill(query, key_cache, value_cache, blocks, max_blocks, out, o, causal, prefills);
 }
 
 // key_cache rows <- key rows, value_cache rows <- value rows, each token's at its slot
@@ -903,10 +913,10 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                   at::has_internal_overlap(value_cache) != at::MemOverlap::Yes,
               "attn_di write_kv_cache: a cache has elements that share memory (e.g. a stride of 0)");
   const int64_t n = key.size(0), heads = key.size(1), size = key.size(2);
-  const at::Tensor slots = index_tensor(op, slot_mapping_in, "slot_mapping", 1);
-  TORCH_CHECK(slots.size(0) >= n, "attn_di write_kv_cache: slot_mapping has ", slots.size(0),
+  const Indices slots = index_tensor(op, slot_mapping_in, "slot_mapping", 1);
+  TORCH_CHECK(slots.rows >= n, "attn_di write_kv_cache: slot_mapping has ", slots.rows,
               " entries for ", n, " tokens (one slot per token)");
-  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  const int64_t* slot = slots.data;
   const int64_t block_size = key_cache.size(1);
   const int64_t num_slots = key_cache.size(0) * block_size;
   for (int64_t t = 0; t < n; ++t)
@@ -943,7 +953,7 @@ TORCH_LIBRARY(attn_di, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor(a!) out, float scale, int sliding_window, "
-      "float soft_cap, Tensor? alibi_slopes=None, Tensor? sinks=None) -> ()");
+      "float soft_cap, Tensor? alibi_slopes=None, Tensor? sinks=None, bool causal=True) -> ()");
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");

@@ -1,0 +1,89 @@
+// Shared by CPU_ATTN's compiled kernels (paged_attention.cpp: the op, its checks and the
+// decode kernel; prefill.cpp: the prefill kernel): options, strided cache views, conversions.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#ifndef ATTN_DI_KERNEL_ISA
+#define ATTN_DI_KERNEL_ISA default
+#endif
+#define ATTN_DI_STRINGIFY_(x) #x
+#define ATTN_DI_STRINGIFY(x) ATTN_DI_STRINGIFY_(x)
+
+namespace attn_di_kernel {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = fVec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// One layer's options, fixed for a call.
+struct Options {
+  int64_t heads, kv_heads, group, head_size, block_size, num_blocks;
+  float scale;
+  int64_t window;     // 0: none
+  float soft_cap;     // 0: none
+  const float* alibi; // [H] or nullptr
+  const float* sinks; // [H] or nullptr
+};
+
+// One strided cache plane ([num_blocks, block_size, H_kv, D], last dim contiguous).
+template <typename T>
+struct CacheView {
+  const T* base;
+  int64_t block_stride, token_stride, head_stride;
+
+  // The token row of position `offset` in block `block` (its KV head 0).
+  const T* row(int64_t block, int64_t offset) const {
+    return base + block * block_stride + offset * token_stride;
+  }
+};
+
+template <typename T>
+CacheView<T> cache_view(const at::Tensor& cache) {
+  return {cache.const_data_ptr<T>(), cache.stride(0), cache.stride(1), cache.stride(2)};
+}
+
+// n values as float32 into `dst`.
+template <typename T>
+inline void convert_head(const T* src, int64_t n, float* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    using bVec = at::vec::Vectorized<T>;
+    int64_t i = 0;
+    for (; i + bVec::size() <= n; i += bVec::size()) {
+      auto converted = at::vec::convert_to_float<T>(bVec::loadu(src + i));
+      std::get<0>(converted).store(dst + i);
+      std::get<1>(converted).store(dst + i + kLanes);
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+// A sequence the prefill kernel attends: its queries are query[first_query, first_query +
+// q_len), the last q_len of its seq_len positions.
+struct PrefillSeq {
+  int64_t seq, first_query, q_len, seq_len;
+};
+
+// Attention of `seqs` (every query row of each, all heads) into `out`; prefill.cpp. Arguments
+// are the op's, already checked by paged_attention().
+void run_prefill(const at::Tensor& query, const at::Tensor& key_cache,
+                 const at::Tensor& value_cache, const int64_t* table, int64_t table_stride,
+                 at::Tensor& out, const Options& o, bool causal,
+                 const std::vector<PrefillSeq>& seqs);
+
+}  // namespace attn_di_kernel
