@@ -73,6 +73,59 @@ inline void convert_head(const T* src, int64_t n, float* dst) {
   }
 }
 
+// `n` float32 values into `dst` of type C (a copy for float).
+template <typename C>
+inline void store_as(const float* src, int64_t n, C* dst) {
+  if constexpr (std::is_same_v<C, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    int64_t j = 0;
+    for (; j + 2 * kLanes <= n; j += 2 * kLanes)
+      at::vec::convert_from_float<C>(fVec::loadu(src + j), fVec::loadu(src + j + kLanes)).store(dst + j);
+    for (; j < n; ++j) dst[j] = static_cast<C>(src[j]);
+  }
+}
+
+// One output row from the partial results of `parts` key ranges (each its running max m_p,
+// sum l_p and unnormalised accumulator acc_p, D floats) and the head's sink (-inf: none):
+// row = sum_p acc_p e^(m_p - M) / (sum_p l_p e^(m_p - M) + e^(sink - M)), M the largest of
+// the m_p and the sink (the log-sum-exp merge of FlashAttention's split-KV, Dao et al. 2023).
+// Nothing visible and no sink gives zeros, like an empty sum.
+template <typename T>
+inline void merge_partials(T* dst, int64_t D, float sink, const float* maxes, const float* sums,
+                           const float* const* accs, int64_t parts) {
+  float peak = sink;
+  for (int64_t part = 0; part < parts; ++part) peak = std::max(peak, maxes[part]);
+  float denom = 0.f;
+  if (peak != kNegInf) {
+    for (int64_t part = 0; part < parts; ++part)
+      if (maxes[part] != kNegInf) denom += sums[part] * std::exp(maxes[part] - peak);
+    if (sink != kNegInf) denom += std::exp(sink - peak);
+  }
+  if (!(denom > 0.f)) {
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(0.f);
+    return;
+  }
+  float line[1024];
+  std::vector<float> heap;
+  float* merged = line;
+  if (D > 1024) {
+    heap.resize(D);
+    merged = heap.data();
+  }
+  std::fill(merged, merged + D, 0.f);
+  for (int64_t part = 0; part < parts; ++part) {
+    if (maxes[part] == kNegInf) continue;  // an empty key range adds nothing
+    const float weight = std::exp(maxes[part] - peak) / denom;
+    const fVec w(weight);
+    const float* a = accs[part];
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) (fVec::loadu(merged + d) + w * fVec::loadu(a + d)).store(merged + d);
+    for (; d < D; ++d) merged[d] += weight * a[d];
+  }
+  store_as<T>(merged, D, dst);
+}
+
 // A sequence the prefill kernel attends: its queries are query[first_query, first_query +
 // q_len), the last q_len of its seq_len positions.
 struct PrefillSeq {

@@ -547,7 +547,10 @@ struct Kernel {
       }
     }
     if (s.num_items == 1) {
-      for (int64_t r = 0; r < rows; ++r) finish_row(s, r, &row_max[r], &row_sum[r], acc + r * D, 1);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row_acc = acc + r * D;
+        finish_row(s, r, &row_max[r], &row_sum[r], &row_acc, 1);
+      }
       return;
     }
     const int64_t base = s.partial_offset + item.part * rows;
@@ -574,46 +577,15 @@ struct Kernel {
     }
   }
 
-  // out row r = sum_p acc_p e^(m_p - M) / (sum_p l_p e^(m_p - M) + e^(sink - M)).
-  template <typename Acc>
-  void finish_row(const Sequence& s, int64_t r, const float* maxes, const float* sums, Acc accs,
-                  int64_t parts) const {
-    const int64_t H = o.heads, D = o.head_size;
+  // One output row from its partitions' partial results (merge_partials).
+  void finish_row(const Sequence& s, int64_t r, const float* maxes, const float* sums,
+                  const float* const* accs, int64_t parts) const {
+    const int64_t H = o.heads;
     const int64_t i = r / H, h = r % H;
-    float peak = kNegInf;
-    for (int64_t part = 0; part < parts; ++part) peak = std::max(peak, maxes[part]);
-    const float sink = o.sinks != nullptr ? o.sinks[h] : kNegInf;
-    peak = std::max(peak, sink);
     T* dst = out + (s.first_query + i) * out_stride0 + h * out_stride1;
-    float denom = 0.f;
-    if (peak != kNegInf) {
-      for (int64_t part = 0; part < parts; ++part)
-        if (maxes[part] != kNegInf) denom += sums[part] * std::exp(maxes[part] - peak);
-      if (o.sinks != nullptr) denom += std::exp(sink - peak);
-    }
-    if (!(denom > 0.f)) {  // nothing visible and no sink: zeros, like an empty sum
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(0.f);
-      return;
-    }
-    float line[1024];
-    float* merged = D <= 1024 ? line : nullptr;
-    std::vector<float> heap;
-    if (merged == nullptr) {
-      heap.resize(D);
-      merged = heap.data();
-    }
-    std::fill(merged, merged + D, 0.f);
-    for (int64_t part = 0; part < parts; ++part) {
-      if (maxes[part] == kNegInf) continue;  // an empty partition adds nothing
-      const float weight = std::exp(maxes[part] - peak) / denom;
-      const float* a = pick(accs, part);
-      for (int64_t d = 0; d < D; ++d) merged[d] += weight * a[d];
-    }
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(merged[d]);
+    merge_partials(dst, o.head_size, o.sinks != nullptr ? o.sinks[h] : kNegInf, maxes, sums,
+                   accs, parts);
   }
-
-  static const float* pick(const float* acc, int64_t) { return acc; }
-  static const float* pick(const float* const* accs, int64_t part) { return accs[part]; }
 };
 
 // -- argument checks (before any memory is touched) ---------------------------------------

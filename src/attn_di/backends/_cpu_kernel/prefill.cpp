@@ -141,19 +141,6 @@ inline void scale_into(const T* src, int64_t n, float factor, C* dst, float* lin
   }
 }
 
-// `n` float32 values into `dst` of type C (a copy for float).
-template <typename C>
-inline void store_as(const float* src, int64_t n, C* dst) {
-  if constexpr (std::is_same_v<C, float>) {
-    std::copy(src, src + n, dst);
-  } else {
-    int64_t j = 0;
-    for (; j + 2 * kLanes <= n; j += 2 * kLanes)
-      at::vec::convert_from_float<C>(fVec::loadu(src + j), fVec::loadu(src + j + kLanes)).store(dst + j);
-    for (; j < n; ++j) dst[j] = static_cast<C>(src[j]);
-  }
-}
-
 template <typename T, typename C>
 struct Prefill {
   const T* query;
@@ -456,43 +443,14 @@ struct Prefill {
     sc.started[b] = 1;
   }
 
-  // out row = sum_p acc_p e^(m_p - M) / (sum_p l_p e^(m_p - M) + e^(sink - M)).
+  // One output row from its key ranges' partial results (merge_partials).
   void finish_row(const PrefillSeq& s, const Item& it, int64_t r, const float* maxes,
                   const float* sums, const float* const* accs, int64_t parts) const {
-    const int64_t G = o.group, D = o.head_size;
+    const int64_t G = o.group;
     const int64_t i = it.i0 + r / G, h = it.g * G + r % G;
     T* dst = out + (s.first_query + i) * out_stride0 + h * out_stride1;
-    const float sink = o.sinks != nullptr ? o.sinks[h] : kNegInf;
-    float peak = sink;
-    for (int64_t part = 0; part < parts; ++part) peak = std::max(peak, maxes[part]);
-    float denom = 0.f;
-    if (peak != kNegInf) {
-      for (int64_t part = 0; part < parts; ++part)
-        if (maxes[part] != kNegInf) denom += sums[part] * std::exp(maxes[part] - peak);
-      if (o.sinks != nullptr) denom += std::exp(sink - peak);
-    }
-    if (!(denom > 0.f)) {  // nothing visible and no sink: zeros, like an empty sum
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(0.f);
-      return;
-    }
-    float line[1024];
-    std::vector<float> heap;
-    float* merged = line;
-    if (D > 1024) {
-      heap.resize(D);
-      merged = heap.data();
-    }
-    std::fill(merged, merged + D, 0.f);
-    for (int64_t part = 0; part < parts; ++part) {
-      if (maxes[part] == kNegInf) continue;  // an empty key range adds nothing
-      const float weight = std::exp(maxes[part] - peak) / denom;
-      const fVec w(weight);
-      const float* a = accs[part];
-      int64_t d = 0;
-      for (; d + kLanes <= D; d += kLanes) (fVec::loadu(merged + d) + w * fVec::loadu(a + d)).store(merged + d);
-      for (; d < D; ++d) merged[d] += weight * a[d];
-    }
-    store_as<T>(merged, D, dst);
+    merge_partials(dst, o.head_size, o.sinks != nullptr ? o.sinks[h] : kNegInf, maxes, sums,
+                   accs, parts);
   }
 
   // Merge the key ranges of the group whose first part is `it` and write its output rows.
