@@ -10,7 +10,7 @@ import torch
 
 from attn_di.backend import AttentionBackend
 from attn_di.backends import _cpu_kernel
-from attn_di.backends.cpu_attn import CPUAttentionBackend
+from attn_di.backends.cpu_attn import CPUAttentionBackend, CPUAttentionImpl
 from attn_di.backends.flex_attention import FlexAttentionBackend
 from attn_di.backends.torch_sdpa import TorchSDPABackend
 
@@ -68,3 +68,17 @@ def _kernel_loaded() -> None:
 def _seed() -> None:
     """Every test starts from the same torch seed."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(name="kernel_calls")
+def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls of CPU_ATTN's compiled path (one entry per call)."""
+    calls: list[int] = []
+    original = CPUAttentionImpl._run_kernel
+
+    def counted(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CPUAttentionImpl, "_run_kernel", counted)
+    return calls

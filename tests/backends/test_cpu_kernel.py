@@ -102,20 +102,6 @@ def kernel_cases(draw: st.DrawFn) -> KernelCase:
     )
 
 
-@pytest.fixture(name="kernel_calls")
-def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the calls of CPU_ATTN's kernel path."""
-    calls: list[int] = []
-    original = cpu_attn.CPUAttentionImpl._run_kernel
-
-    def counted(*args: object, **kwargs: object) -> None:
-        calls.append(1)
-        original(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_attn.CPUAttentionImpl, "_run_kernel", counted)
-    return calls
-
-
 def run_both_paths(
     opts: Options, batch: Batch, kernel_calls: list[int], block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

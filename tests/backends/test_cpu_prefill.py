@@ -87,20 +87,6 @@ def prefill_cases(draw: st.DrawFn) -> PrefillCase:
     )
 
 
-@pytest.fixture(name="kernel_calls")
-def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the calls of CPU_ATTN's compiled path."""
-    calls: list[int] = []
-    original = cpu_attn.CPUAttentionImpl._run_kernel
-
-    def counted(*args: object, **kwargs: object) -> None:
-        calls.append(1)
-        original(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_attn.CPUAttentionImpl, "_run_kernel", counted)
-    return calls
-
-
 def encoder_paths(opts: Options, batch: object, kernel_calls: list[int]) -> list[torch.Tensor]:
     """``[kernel output, pure-torch output]`` of an encoder batch (no cache)."""
     outputs = []
