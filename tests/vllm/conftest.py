@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -173,3 +178,49 @@ def attention_impls(model: Any) -> list[str]:
                 + (f" runs {runs.__module__}.{runs.__qualname__}" if runs is not None else "")
             )
     return sorted(found)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def serving(
+    command: list[str], env: dict[str, str], log: Path, port: int, *, timeout_s: float
+) -> Iterator[str]:
+    """Run a vLLM server ``command`` (its output into ``log``) until its ``/health`` answers
+    200 on ``port``, yield its base URL, then stop it by its PID (SIGTERM, SIGKILL after 60 s).
+
+    Fails the test, with the log's tail, if the server exits or does not answer in
+    ``timeout_s`` seconds.
+    """
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                tail = log.read_text()[-4000:]
+                pytest.fail(f"the server did not answer in {timeout_s:.0f} s:\n{tail}")
+            time.sleep(1.0)
+        yield base
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)

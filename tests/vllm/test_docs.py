@@ -9,12 +9,8 @@ string says ``runner:PytestRunner`` is a test module pytest runs (it must pass);
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +20,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .ve
 
 from markdown_it import MarkdownIt
 
-from tests.vllm.conftest import REPO
+from tests.vllm.conftest import REPO, free_port, serving
 
 GUIDE = REPO / "docs" / "guides" / "vllm.md"
 PORT_IN_GUIDE = "8000"
@@ -63,50 +59,18 @@ def _run(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Compl
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(name="guide_server")
 def _guide_server(tmp_path: Path, smollm2: Path) -> Iterator[str]:
     """The guide's server command, run as written (on a free port); yields the port."""
     commands = [code for info, code in _fences() if info == "bash" and "api_server" in code]
     assert len(commands) == 1
-    port = str(_free_port())
+    port = str(free_port())
     script = commands[0].replace(PORT_IN_GUIDE, port).replace("python -m", f"{sys.executable} -m")
     log = tmp_path / "server.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            ["bash", "-c", f"exec env {script.strip()}"],  # exec: the PID is the server's
-            env=_environment(tmp_path, smollm2),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the guide's server exited:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the guide's server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(1.0)
+    command = ["bash", "-c", f"exec env {script.strip()}"]  # exec: the PID is the server's
+    with serving(command, _environment(tmp_path, smollm2), log, int(port), timeout_s=240):
         yield port
         assert "attn_di: vLLM's CPU_ATTN resolves to" in log.read_text()
-    finally:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait(timeout=30)
 
 
 def test_the_guide_has_its_blocks() -> None:

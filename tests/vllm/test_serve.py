@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,22 +19,16 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .venv-vllm)")
 openai = pytest.importorskip("openai", reason="openai is not installed (it comes with vLLM)")
 
-from tests.vllm.conftest import CPU_ATTN_PATH  # noqa: E402
+from tests.vllm.conftest import CPU_ATTN_PATH, free_port, serving  # noqa: E402
 
 START_TIMEOUT = 240.0
 NAME = "smollm2"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module", name="server")
 def _server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A running server (its base URL and log file), stopped by PID afterwards."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {
         **os.environ,
@@ -54,33 +43,8 @@ def _server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4", "--dtype", "float32",
     ]  # fmt: skip
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                tail = log.read_text()[-4000:]
-                pytest.fail(f"the server did not answer in {START_TIMEOUT:.0f} s:\n{tail}")
-            time.sleep(1.0)
+    with serving(command, env, log, port, timeout_s=START_TIMEOUT) as base:
         yield base, log
-    finally:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait(timeout=30)
 
 
 def test_the_server_answers_with_paris(server: tuple[str, Path]) -> None:
