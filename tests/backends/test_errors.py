@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -285,9 +286,11 @@ _BASE = {"num_heads": 4, "head_size": 64, "scale": 0.125}
         ("sliding_window", {"sliding_window": 2.5}),
         ("sliding_window", {"sliding_window": True}),
         ("sliding_window", {"sliding_window": 0}),
+        ("sliding_window", {"sliding_window": 2**64}),
         ("logits_soft_cap", {"logits_soft_cap": float("nan")}),
         ("logits_soft_cap", {"logits_soft_cap": -1.0}),
         ("logits_soft_cap", {"logits_soft_cap": "30"}),
+        ("logits_soft_cap", {"logits_soft_cap": 1e-300}),
         ("alibi_slopes", {"alibi_slopes": "abcd"}),
         ("alibi_slopes", {"alibi_slopes": [1.0, 2.0, 3.0]}),
         ("alibi_slopes", {"alibi_slopes": [[1.0, 2.0, 3.0, 4.0]]}),
@@ -348,9 +351,10 @@ def test_constructor_accepts_index_like_and_sequences(backend_cls: type[Attentio
     assert impl.sinks.tolist() == [0.0, 1.0, float("-inf"), 2.0]
 
 
-@pytest.mark.parametrize("cap", [None, 0, 0.0, float("inf")])
+@pytest.mark.parametrize("cap", [None, 0, 0.0, 1e300, float("inf")])
 def test_soft_cap_off_values(cap: float | None) -> None:
-    """None, 0 and +inf all turn the soft cap off (c * tanh(s / c) -> s as c -> inf)."""
+    """None, 0, a cap beyond float32's range and +inf all turn the soft cap off
+    (c * tanh(s / c) -> s as c -> inf; the cap is applied in float32)."""
     assert CPUAttentionImpl(**_BASE, logits_soft_cap=cap).logits_soft_cap is None
 
 
@@ -730,3 +734,71 @@ def test_a_checked_call_shape_skips_no_check_a_changed_input_needs(
         impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
 
     assert not bool(differs(batch.kv_cache, before).any())
+
+
+@pytest.mark.parametrize("window", [2**40, 2**63 - 1])
+def test_a_window_longer_than_every_sequence_is_no_window(
+    backend_cls: type[AttentionBackend], opts: Options, window: int
+) -> None:
+    """A sliding window up to int64's largest value gives the output of no window (the
+    kernel's visibility arithmetic overflowed near 2**63 and rows saw wrong keys)."""
+    if not backend_cls.get_impl_cls().supports_sliding_window:
+        pytest.skip(f"{backend_cls.get_name()} has no sliding window")
+    batch = make_batch(opts, [40, 4, 1], [40, 30, 18], 16, torch.float32)
+    cache = batch.kv_cache.clone()
+    expected = _forward(backend_cls, opts, batch)
+    batch.kv_cache = cache
+
+    got = _forward(backend_cls, dataclasses.replace(opts, sliding_window=window), batch)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n, width: torch.zeros(1, width).expand(n, width),
+        lambda n, width: torch.zeros(n * width).as_strided((n, width), (width // 2, 1)),
+    ],
+    ids=["expanded", "rows-overlap"],
+)
+def test_an_output_whose_elements_share_memory_is_refused_before_the_cache_is_written(
+    backend_cls: type[AttentionBackend],
+    opts: Options,
+    batch: Batch,
+    make: Callable[[int, int], torch.Tensor],
+) -> None:
+    """``output=`` with a stride of 0 or overlapping rows is an InvalidInputError naming it,
+    before the cache is written (it was a bare RuntimeError from the op, the cache written),
+    also after a call of the same shape with a proper output passed its checks."""
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    args = (None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    impl.forward(*args, output=torch.empty(4, 4 * 64))
+    before = batch.kv_cache.clone()
+
+    with pytest.raises(InvalidInputError, match=r"output: strides .* may share memory") as info:
+        impl.forward(*args, output=make(4, 4 * 64))
+    assert info.value.hint
+    assert not differs(batch.kv_cache, before).any()
+
+
+def test_a_cache_whose_slots_overlap_is_refused(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """A cache with no stride of 0 whose token rows overlap (token stride half a row) is
+    refused naming kv_cache: its writes would clobber the previous slot."""
+    shape = tuple(batch.kv_cache.shape)  # [2, num_blocks, 16, 2, 64]
+    plane = shape[1] * shape[2] * 2 * 64
+    overlapping = torch.zeros(2 * plane).as_strided(shape, (plane, 16 * 64, 64, 64, 1))
+
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    with pytest.raises(InvalidInputError, match=r"kv_cache: strides .* no overlapping slots"):
+        impl.forward(None, batch.query, batch.key, batch.value, overlapping, batch.metadata)
+    assert not bool(overlapping.any())
+
+
+@pytest.mark.parametrize("device", ["cpuu", "gpu:0", 3.5])
+def test_builder_refuses_a_device_torch_does_not_know(device: object) -> None:
+    """A misspelt device is refused when the builder is made, not at its first build()."""
+    with pytest.raises(InvalidInputError, match=r"device: .* is not a torch device") as info:
+        AttentionMetadataBuilder(16, device=device)  # type: ignore[arg-type]
+    assert info.value.hint

@@ -124,7 +124,7 @@ CRASHES = {
         op(q, kv[0], kv[1], torch.tensor([[0.5]]), torch.tensor([3]), torch.tensor([0, 1]),
            torch.empty(1, 2, 64), 0.125, 0, 0.0)
         """,
-        r"block_table must be an integer tensor, got Float",
+        r"block_table must be an int64 or int32 tensor .*, got Float",
     ),
     "sinks-too-short": (
         """
@@ -154,7 +154,61 @@ CRASHES = {
         kv = torch.zeros(2, 1, 1, 1, 8).expand(2, 3, 4, 1, 8)
         write(torch.ones(1, 1, 8), torch.ones(1, 1, 8), kv[0], kv[1], torch.tensor([5]))
         """,
-        r"a cache has elements that share memory",
+        r"a cache has slots that may share memory",
+    ),
+    "write-overlapping-rows": (  # no stride is 0, but each row overlaps the next one's half
+        """
+        buf = torch.zeros(2 * 2 * 16 * 32)
+        kv = buf.as_strided((2, 2, 16, 1, 32), (1024, 256, 16, 32, 1))
+        write(torch.ones(1, 1, 32), torch.ones(1, 1, 32), kv[0], kv[1], torch.tensor([0]))
+        """,
+        r"a cache has slots that may share memory \(key_cache strides \[256, 16, 32, 1\]",
+    ),
+    "out-heads-overlap": (
+        """
+        kv = torch.randn(2, 4, 16, 1, 64)
+        q = torch.randn(1, 4, 64)
+        out = torch.empty(1, 64 + 3).as_strided((1, 4, 64), (256, 1, 1))
+        op(q, kv[0], kv[1], torch.tensor([[0]]), torch.tensor([3]), torch.tensor([0, 1]),
+           out, 0.125, 0, 0.0)
+        """,
+        r"out has elements that may share memory \(strides \[256, 1, 1\]",
+    ),
+    "unsigned-block-table": (
+        """
+        kv = torch.randn(2, 4, 16, 1, 64)
+        q = torch.randn(1, 2, 64)
+        op(q, kv[0], kv[1], torch.tensor([[0]], dtype=torch.uint32), torch.tensor([3]),
+           torch.tensor([0, 1]), torch.empty(1, 2, 64), 0.125, 0, 0.0)
+        """,
+        r"attn_di paged_attention: block_table must be an int64 or int32 tensor .*, got UInt32",
+    ),
+    "complex-alibi": (
+        """
+        kv = torch.randn(2, 4, 16, 1, 64)
+        q = torch.randn(1, 2, 64)
+        op(q, kv[0], kv[1], torch.tensor([[0]]), torch.tensor([3]), torch.tensor([0, 1]),
+           torch.empty(1, 2, 64), 0.125, 0, 0.0, torch.ones(2, dtype=torch.complex64))
+        """,
+        r"alibi_slopes must be real numbers, got ComplexFloat",
+    ),
+    "soft-cap-below-float32": (
+        """
+        kv = torch.randn(2, 4, 16, 1, 64)
+        q = torch.randn(1, 2, 64)
+        op(q, kv[0], kv[1], torch.tensor([[0]]), torch.tensor([3]), torch.tensor([0, 1]),
+           torch.empty(1, 2, 64), 0.125, 0, 1e-300)
+        """,
+        r"soft_cap must be 0 \(none\) or a positive number at least float32's smallest normal",
+    ),
+    "scale-nan": (
+        """
+        kv = torch.randn(2, 4, 16, 1, 64)
+        q = torch.randn(1, 2, 64)
+        op(q, kv[0], kv[1], torch.tensor([[0]]), torch.tensor([3]), torch.tensor([0, 1]),
+           torch.empty(1, 2, 64), float("nan"), 0, 0.0)
+        """,
+        r"scale must be a finite float32, got nan",
     ),
 }
 
@@ -235,3 +289,61 @@ def test_forward_refuses_caches_whose_slots_share_memory_or_scatter_a_row(make: 
     kv_cache = make()  # type: ignore[operator]
     with pytest.raises(InvalidInputError, match=r"kv_cache: strides .* must be contiguous"):
         impl.forward(None, batch.query, batch.key, batch.value, kv_cache, batch.metadata)
+
+
+def _reference_batch(q_len: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """``(query, kv_cache, block_table, seq_lens, query_start_loc)`` of one sequence (4/2
+    heads of 32, block size 16), its cache NaN outside the slots it covers."""
+    generator = torch.Generator().manual_seed(3)
+    blocks = -(-seq_len // 16)
+    kv_cache = torch.full((2, blocks + 2, 16, 2, 32), float("nan"))
+    table = torch.arange(1, blocks + 1).unsqueeze(0)
+    written = torch.randn(2, seq_len, 2, 32, generator=generator)
+    for position in range(seq_len):
+        kv_cache[:, 1 + position // 16, position % 16] = written[:, position]
+    query = torch.randn(q_len, 4, 32, generator=generator)
+    return query, kv_cache, table, torch.tensor([seq_len]), torch.tensor([0, q_len])
+
+
+def _op(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    starts: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    out = torch.zeros_like(query)
+    torch.ops.attn_di.paged_attention(
+        query, kv_cache[0], kv_cache[1], table, seq_lens, starts, out, 32**-0.5, window, 0.0
+    )
+    return out
+
+
+@pytest.mark.parametrize("q_len", [1, 4, 40], ids=["decode", "chunked-decode", "prefill"])
+@pytest.mark.parametrize("window", [40, 2**40, 2**62, 2**63 - 1])
+def test_a_window_as_long_as_every_sequence_is_no_window(q_len: int, window: int) -> None:
+    """A sliding window at least the longest sequence hides nothing, on every path: near
+    int64's limit the visibility arithmetic overflowed (rows saw wrong keys)."""
+    query, kv_cache, table, seq_lens, starts = _reference_batch(q_len, 40)
+    expected = _op(query, kv_cache, table, seq_lens, starts, 0)
+    assert bool(torch.isfinite(expected).all())
+    torch.testing.assert_close(_op(query, kv_cache, table, seq_lens, starts, window), expected)
+
+
+def test_an_expanded_block_table_is_read_not_copied_whole() -> None:
+    """An expanded int32 block table of 2**40 columns (a view of 8 bytes) is read through
+    its strides, only the columns the sequences use: copying it whole took terabytes."""
+    query, kv_cache, table, seq_lens, starts = _reference_batch(4, 40)
+    expected = _op(query, kv_cache, table, seq_lens, starts, 0)
+    assert int(table[0, 0]) == 1
+    for wide in (
+        torch.ones(1, 1, dtype=torch.int32).expand(1, 2**40),  # every column is block 1
+        torch.ones(1, 1, dtype=torch.int64).expand(1, 2**40),
+    ):
+        single = _reference_batch(4, 16)
+        got = _op(single[0], kv_cache, wide, torch.tensor([16]), single[4], 0)
+        narrow = _op(single[0], kv_cache, table[:, :1], torch.tensor([16]), single[4], 0)
+        torch.testing.assert_close(got, narrow)
+    strided = torch.stack([table[0], table[0]], 1).T[:1]  # int64, columns 2 apart
+    torch.testing.assert_close(_op(query, kv_cache, strided, seq_lens, starts, 0), expected)

@@ -37,8 +37,15 @@ def _describe(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+# Sizes and lengths reach torch's operators as int64.
+_INT64_MAX = 2**63 - 1
+# float32's range: a soft cap is applied in float32.
+_FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _positive_int(argument: str, value: object, example: str) -> int:
-    """``value`` as a positive int: ints and ``operator.index``-able values, not bool."""
+    """``value`` as a positive int64: ints and ``operator.index``-able values, not bool."""
     if _is_bool(value):
         index = None
     else:
@@ -52,6 +59,10 @@ def _positive_int(argument: str, value: object, example: str) -> int:
         )
     if index <= 0:
         raise InvalidInputError(argument, f"must be positive, got {index}", hint=f"e.g. {example}")
+    if index > _INT64_MAX:
+        raise InvalidInputError(
+            argument, f"must be at most 2**63 - 1 (an int64), got {index}", hint=f"e.g. {example}"
+        )
     return index
 
 
@@ -73,7 +84,8 @@ def _finite_real(argument: str, value: object, example: str) -> float:
 
 
 def _soft_cap(value: object) -> float | None:
-    """The soft cap c, or None when off (None, 0 or +inf: ``c * tanh(s / c) -> s``)."""
+    """The soft cap c, or None when off (None, 0, or beyond float32's range up to +inf:
+    ``c * tanh(s / c) -> s``); a positive c below float32's smallest normal is refused."""
     if value is None:
         return None
     hint = "e.g. logits_soft_cap=50.0 (Gemma 2); None or 0 turns it off"
@@ -90,7 +102,14 @@ def _soft_cap(value: object) -> float | None:
         )
     if math.isnan(number) or number < 0:
         raise InvalidInputError("logits_soft_cap", f"must be >= 0, got {number}", hint=hint)
-    return None if number in (0.0, math.inf) else number
+    if 0.0 < number < _FLOAT32_TINY:
+        raise InvalidInputError(
+            "logits_soft_cap",
+            f"{number} is below float32's smallest normal number ({_FLOAT32_TINY:.8g}), in "
+            "which the cap is applied",
+            hint=hint,
+        )
+    return None if number == 0.0 or number > _FLOAT32_MAX else number
 
 
 def _head_vector(argument: str, value: object, num_heads: int, *, finite: bool) -> torch.Tensor:

@@ -80,6 +80,10 @@ class AttentionMetadataBuilder:
     Args:
         block_size: tokens per KV-cache block (the cache's axis 2).
         device: where the metadata tensors live (``"cpu"`` by default).
+
+    Raises:
+        InvalidInputError: ``block_size`` is not a positive int, or ``device`` is not a torch
+            device (``torch.device(device)`` refuses it).
     """
 
     def __init__(self, block_size: int, device: str | torch.device = "cpu") -> None:
@@ -95,6 +99,16 @@ class AttentionMetadataBuilder:
                 f"must be a positive int, got {block_size!r} ({type(block_size).__name__})",
                 hint="e.g. block_size=16 (tokens per KV-cache block)",
             )
+        import torch
+
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise InvalidInputError(
+                "device",
+                f"{device!r} is not a torch device",
+                hint="e.g. device='cpu', 'cuda:0' or torch.device('cpu')",
+            ) from None
         self.block_size = size
         self.device = device
 

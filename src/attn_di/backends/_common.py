@@ -39,12 +39,27 @@ __all__ = [
     "cache_rows",
     "check_inputs",
     "new_output",
+    "non_overlapping",
     "uses_cache",
     "write_kv_cache",
 ]
 
 # Largest number of attention scores (group rows x keys x heads) materialised at once.
 SCORE_BUDGET = 1 << 24
+
+
+def non_overlapping(tensor: torch.Tensor) -> bool:
+    """Whether no two elements of ``tensor`` can share memory: with its axes of size > 1
+    sorted by stride, each stride is at least the span of the smaller ones (true of every
+    permuted or sliced view of a dense buffer; a stride of 0 or interleaved axes fail)."""
+    pairs = zip(tensor.stride(), tensor.shape, strict=True)
+    axes = sorted((stride, size) for stride, size in pairs if size > 1)
+    span = 1  # elements covered by the axes so far
+    for stride, size in axes:
+        if stride < span:
+            return False
+        span += stride * (size - 1)
+    return True
 
 
 def uses_cache(impl: AttentionImpl) -> bool:
@@ -116,8 +131,9 @@ def _signature(
 ) -> tuple[int, tuple[object, ...]] | None:
     """``(num_tokens, what the tensor checks' verdict depends on)``: each tensor's shape,
     dtype and device, the cache's strides, whether autograd would record (grad mode), and
-    whether there is an output buffer; None where the inputs are not all plain tensors, or
-    the cache requires grad (its autograd check looks at the graph: checked on every call)."""
+    the output buffer's shape, strides, dtype and device (or None); None where the inputs
+    are not all plain tensors, or the cache requires grad (its autograd check looks at the
+    graph: checked on every call)."""
     tensors = (query, key, value, kv_cache)
     if any(type(t) is not torch.Tensor for t in tensors):
         return None
@@ -125,7 +141,11 @@ def _signature(
         return None
     shapes = tuple(tuple(t.shape) for t in tensors)
     kinds = tuple((t.dtype, t.device) for t in tensors)
-    out = None if output is None else (tuple(output.shape), output.dtype, output.device)
+    out = (
+        None
+        if output is None
+        else (tuple(output.shape), output.stride(), output.dtype, output.device)
+    )
     facts = (shapes, kinds, kv_cache.stride(), out, torch.is_grad_enabled())
     return (int(query.shape[0]) if query.dim() else 0), facts
 
@@ -205,6 +225,13 @@ def _check_all(
             "output",
             f"is on {output.device} but query is on {query.device}",
             hint="allocate output on the query's device, e.g. torch.empty_like(...) of query's",
+        )
+    if output is not None and not non_overlapping(output):
+        raise InvalidInputError(
+            "output",
+            f"strides {output.stride()} of shape {tuple(output.shape)}: its elements may share "
+            "memory (an expanded or overlapping view)",
+            hint="pass a tensor of its own, e.g. torch.empty(num_tokens, num_heads * head_size)",
         )
     if uses_cache(impl):
         _check_cache_autograd(kv_cache)
@@ -457,14 +484,12 @@ def _check_metadata(
             "num_kv_heads, head_size) and a block_size >= 1",
         )
     strides = kv_cache.stride()
-    if strides[4] != 1 or any(
-        stride == 0 and size > 1 for stride, size in zip(strides, kv_cache.shape, strict=True)
-    ):
+    if strides[4] != 1 or not non_overlapping(kv_cache):
         raise InvalidInputError(
             "kv_cache",
             f"strides {strides} of shape {tuple(kv_cache.shape)}: each head's row of "
             "head_size values must be contiguous (last stride 1) and no two slots may share "
-            "memory (no stride 0)",
+            "memory (no stride 0, no overlapping slots)",
             hint="any layout of the cache's axes is fine (a permuted or sliced buffer, e.g. "
             "vLLM's blocks-outermost view), but not an expanded one or a transposed last axis",
         )

@@ -599,38 +599,63 @@ void check_dense_cpu(const char* op, const at::Tensor& t, const char* name) {
               " must be a dense (strided) tensor, got layout ", t.layout());
 }
 
-// An integer index tensor of rank `rank`, as int64 and contiguous (a copy only if needed).
-// An integer index tensor ([rows] or [rows, cols]) read as int64: its own memory where it is
-// int64 and contiguous, else a copy made here (no ATen op: a decode step's calls are short).
+// An integer index tensor ([rows] or [rows, cols]) read as int64 with rows `stride` apart: its
+// own memory where it is int64 with contiguous rows, else a copy made here (no ATen op: a decode
+// step's calls are short) of its first `cols_needed` columns (all when negative), so that an
+// expanded table is never copied whole.
 struct Indices {
   const int64_t* data = nullptr;
-  int64_t rows = 0, cols = 1;
+  int64_t rows = 0, cols = 1, stride = 1;
   std::vector<int64_t> copy;
 };
 
-Indices index_tensor(const char* op, const at::Tensor& t, const char* name, int64_t rank) {
+Indices index_tensor(const char* op, const at::Tensor& t, const char* name, int64_t rank,
+                     int64_t cols_needed = -1) {
   check_dense_cpu(op, t, name);
-  TORCH_CHECK(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), "attn_di ", op, ": ",
-              name, " must be an integer tensor, got ", t.scalar_type());
+  const auto type = t.scalar_type();
+  TORCH_CHECK(type == at::kLong || type == at::kInt || type == at::kShort || type == at::kChar ||
+                  type == at::kByte,
+              "attn_di ", op, ": ", name, " must be an int64 or int32 tensor (int16, int8 and uint8 "
+              "are read too), got ", type);
   TORCH_CHECK(t.dim() == rank, "attn_di ", op, ": ", name, " must be ", rank, "-D, got shape ",
               t.sizes());
   Indices ix;
   ix.rows = t.size(0);
   ix.cols = rank == 2 ? t.size(1) : 1;
-  if (t.scalar_type() == at::kLong && t.is_contiguous()) {
+  const bool rows_contiguous = rank == 2 ? (ix.cols <= 1 || t.stride(1) == 1) : (ix.rows <= 1 || t.stride(0) == 1);
+  if (type == at::kLong && rows_contiguous) {
     ix.data = t.const_data_ptr<int64_t>();
+    ix.stride = rank == 2 ? t.stride(0) : 1;
     return ix;
   }
-  ix.copy.resize(ix.rows * ix.cols);
+  const int64_t cols = cols_needed < 0 ? ix.cols : std::min(ix.cols, cols_needed);
+  ix.copy.resize(ix.rows * cols);
+  ix.stride = cols;
   const int64_t row_stride = t.stride(0), col_stride = rank == 2 ? t.stride(1) : 0;
-  AT_DISPATCH_INTEGRAL_TYPES(t.scalar_type(), "attn_di_indices", [&] {
+  AT_DISPATCH_INTEGRAL_TYPES(type, "attn_di_indices", [&] {
     const scalar_t* src = t.const_data_ptr<scalar_t>();
     for (int64_t i = 0; i < ix.rows; ++i)
-      for (int64_t j = 0; j < ix.cols; ++j)
-        ix.copy[i * ix.cols + j] = static_cast<int64_t>(src[i * row_stride + j * col_stride]);
+      for (int64_t j = 0; j < cols; ++j)
+        ix.copy[i * cols + j] = static_cast<int64_t>(src[i * row_stride + j * col_stride]);
   });
   ix.data = ix.copy.data();
   return ix;
+}
+
+// Whether no two elements of `t` can share memory: with its axes of size > 1 sorted by stride,
+// each stride is at least the span of the smaller ones (true of every permuted or sliced view
+// of a dense buffer; at::has_internal_overlap only sees a stride of 0).
+bool non_overlapping(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> axes;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) axes.emplace_back(t.stride(d), t.size(d));
+  std::sort(axes.begin(), axes.end());
+  int64_t span = 1;  // elements covered by the axes so far
+  for (const auto& [stride, size] : axes) {
+    if (stride < span) return false;
+    span += stride * (size - 1);
+  }
+  return true;
 }
 
 // key_cache and value_cache: [num_blocks, block_size, H_kv, D] views of one dtype, last dim
@@ -666,7 +691,7 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
                    cache_view<T>(key_cache),
                    cache_view<T>(value_cache),
                    table.data,
-                   table.cols,
+                   table.stride,
                    out.mutable_data_ptr<T>(),
                    out.stride(0),
                    out.stride(1),
@@ -707,6 +732,8 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
 // A per-head option ([H] floats: ALiBi slopes, sinks) as a contiguous float32 CPU tensor.
 at::Tensor head_option(const std::optional<at::Tensor>& given, const char* name, int64_t heads) {
   check_dense_cpu("paged_attention", *given, name);
+  TORCH_CHECK(!at::isComplexType(given->scalar_type()) && given->scalar_type() != at::kBool,
+              "attn_di paged_attention: ", name, " must be real numbers, got ", given->scalar_type());
   TORCH_CHECK(given->numel() == heads, "attn_di paged_attention: ", name, " must be [H] = [",
               heads, "], got shape ", given->sizes());
   return given->to(at::kFloat).contiguous();
@@ -731,8 +758,9 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
               "attn_di paged_attention: query (", query_in.scalar_type(), "), key_cache (",
               key_cache.scalar_type(), ") and out (", out.scalar_type(), ") must share one dtype");
   TORCH_CHECK(out.stride(2) == 1, "attn_di paged_attention: out's last dimension must be contiguous");
-  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes,
-              "attn_di paged_attention: out has elements that share memory (e.g. a stride of 0)");
+  TORCH_CHECK(non_overlapping(out),
+              "attn_di paged_attention: out has elements that may share memory (strides ",
+              out.strides(), " of shape ", out.sizes(), ")");
   const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
   Options o;
   o.heads = query.size(1);
@@ -751,8 +779,15 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
               ") must be a multiple of key_cache's KV heads (", o.kv_heads, ")");
   o.group = o.heads / o.kv_heads;
   o.scale = static_cast<float>(scale);
-  o.window = sliding_window > 0 ? sliding_window : 0;
-  o.soft_cap = soft_cap > 0 ? static_cast<float>(soft_cap) : 0.f;
+  TORCH_CHECK(std::isfinite(o.scale), "attn_di paged_attention: scale must be a finite float32, got ",
+              scale);
+  o.window = sliding_window > 0 ? sliding_window : 0;  // a window of every sequence: below
+  // c * tanh(s / c) -> s as c grows: a cap beyond float32's range is none
+  o.soft_cap = soft_cap > 0 && std::isfinite(static_cast<float>(soft_cap)) ? static_cast<float>(soft_cap) : 0.f;
+  TORCH_CHECK(!std::isnan(soft_cap) && (!(soft_cap > 0) || std::isinf(static_cast<float>(soft_cap)) ||
+                                        std::isnormal(o.soft_cap)),
+              "attn_di paged_attention: soft_cap must be 0 (none) or a positive number at least "
+              "float32's smallest normal (1.1754944e-38), got ", soft_cap);
   at::Tensor alibi, sinks;
   o.alibi = nullptr;
   o.sinks = nullptr;
@@ -764,10 +799,20 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     sinks = head_option(sinks_in, "sinks", o.heads);
     o.sinks = sinks.const_data_ptr<float>();
   }
-  const Indices table = index_tensor(op, block_table_in, "block_table", 2);
   const Indices seq_lens = index_tensor(op, seq_lens_in, "seq_lens", 1);
   const Indices starts = index_tensor(op, query_start_loc_in, "query_start_loc", 1);
   const int64_t num_seqs = seq_lens.rows;
+  // The table's columns any sequence can use (ceil(seq_len / block_size), without overflow),
+  // and the longest sequence: a window at least that long hides nothing (and keeps the
+  // visibility arithmetic below far from int64's limits).
+  int64_t cols_needed = 0, longest = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t len = std::max<int64_t>(0, seq_lens.data[b]);
+    longest = std::max(longest, len);
+    cols_needed = std::max(cols_needed, len / o.block_size + (len % o.block_size != 0));
+  }
+  if (o.window >= longest) o.window = 0;
+  const Indices table = index_tensor(op, block_table_in, "block_table", 2, cols_needed);
   TORCH_CHECK(starts.rows == num_seqs + 1, "attn_di paged_attention: query_start_loc must be [B + 1] = [",
               num_seqs + 1, "] (B = seq_lens' length), got shape ", query_start_loc_in.sizes());
   TORCH_CHECK(table.rows == num_seqs, "attn_di paged_attention: block_table must be [B, max_blocks] with B = ",
@@ -786,7 +831,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
   std::vector<Sequence> seqs(num_seqs);
   std::vector<PrefillSeq> prefills;
   int64_t total_keys = 0, max_rows = 1;
-  const int64_t max_blocks = table.cols;
+  const int64_t max_blocks = table.cols, table_stride = table.stride;
   for (int64_t b = 0; b < num_seqs; ++b) {
     Sequence& s = seqs[b];
     s.first_query = qsl[b];
@@ -806,7 +851,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     s.prefill = s.q_len > kDecodeMaxQuery || (!causal && s.q_len > 1);
     if (s.prefill) prefills.push_back({b, s.first_query, s.q_len, s.seq_len});
     for (int64_t c = s.lo / o.block_size; c * o.block_size < s.seq_len; ++c) {
-      const int64_t block = blocks[b * max_blocks + c];
+      const int64_t block = blocks[b * table_stride + c];
       TORCH_CHECK(block >= 0 && block < o.num_blocks, "attn_di paged_attention: block_table[", b, ", ", c,
                   "] = ", block, " is outside the cache's blocks [0, ", o.num_blocks, ")");
     }
@@ -857,7 +902,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
       run<c10::Half>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
     }
   }
-  run_prefill(query, key_cache, value_cache, blocks, max_blocks, out, o, causal, prefills);
+  run_prefill(query, key_cache, value_cache, blocks, table_stride, out, o, causal, prefills);
 }
 
 // key_cache rows <- key rows, value_cache rows <- value rows, each token's at its slot
@@ -881,9 +926,10 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
               ") and the caches (", key_cache.scalar_type(), ") must share one dtype");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
               "attn_di write_kv_cache: key and value need a contiguous last dimension");
-  TORCH_CHECK(at::has_internal_overlap(key_cache) != at::MemOverlap::Yes &&
-                  at::has_internal_overlap(value_cache) != at::MemOverlap::Yes,
-              "attn_di write_kv_cache: a cache has elements that share memory (e.g. a stride of 0)");
+  TORCH_CHECK(non_overlapping(key_cache) && non_overlapping(value_cache),
+              "attn_di write_kv_cache: a cache has slots that may share memory (key_cache strides ",
+              key_cache.strides(), ", value_cache strides ", value_cache.strides(), " of shape ",
+              key_cache.sizes(), ")");
   const int64_t n = key.size(0), heads = key.size(1), size = key.size(2);
   const Indices slots = index_tensor(op, slot_mapping_in, "slot_mapping", 1);
   TORCH_CHECK(slots.rows >= n, "attn_di write_kv_cache: slot_mapping has ", slots.rows,
