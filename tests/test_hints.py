@@ -15,6 +15,7 @@ from attn_di.exceptions import (
     EXTRA_OF_MODULE,
     BackendImportError,
     MissingExtraError,
+    UnknownBackendError,
     install_hint,
     missing_module_hint,
 )
@@ -102,3 +103,24 @@ def test_an_unknown_missing_module_keeps_the_generic_hint() -> None:
     )
     assert error.hint is not None
     assert error.hint.startswith("install the package that provides it")
+
+
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [
+        ("attention", "register_backend('MY_NEW_BACKEND', 'my_pkg.module.MyBackend')"),
+        ("mamba", "register_backend('MY_NEW_BACKEND', 'my_pkg.module.MyBackend', is_mamba=True)"),
+    ],
+)
+def test_an_unknown_name_with_nothing_close_hints_at_register_backend(
+    family: str, expected: str
+) -> None:
+    """The hint for a name close to no member teaches the call the docs teach."""
+    from attn_di import get_container
+
+    container = get_container()
+    lookup = container.backend if family == "attention" else container.mamba.backend
+    with pytest.raises(UnknownBackendError) as caught:
+        lookup("MY_NEW_BACKEND")
+    assert caught.value.suggestion is None
+    assert caught.value.hint == f"see `attn-di list`, or add one with `{expected}`"

@@ -200,7 +200,11 @@ class UnknownBackendError(AttnDIError, ValueError, KeyError):
         elif looked_up == "class path":
             self.hint = f"look members up by name: {enum}['NAME']"
         else:
-            self.hint = f"see `attn-di list`, or add one with `{enum}.register(name, class_path)`"
+            mamba = ", is_mamba=True" if enum.startswith("Mamba") else ""
+            self.hint = (
+                "see `attn-di list`, or add one with "
+                f"`register_backend({name!r}, 'my_pkg.module.MyBackend'{mamba})`"
+            )
 
     def message(self) -> str:
         valid = ", ".join(self.choices)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -449,13 +450,18 @@ def test_a_backend_refused_from_attn_di_backend_says_so() -> None:
     assert "--backend auto" not in hint  # --backend auto does not override the variable
 
 
-def test_a_refused_backend_option_hints_at_auto() -> None:
-    """--backend FLASH_ATTN on this CPU: exit 1, the hint is about --backend auto."""
+def test_a_refused_backend_option_hints_at_auto_or_at_vllm() -> None:
+    """--backend FLASH_ATTN on this CPU: exit 1; the hint says how to set vLLM up where vLLM
+    is missing (the class cannot even be imported), else it is about --backend auto."""
     result = attn_di("run", "--backend", "FLASH_ATTN")
     assert result.returncode == 1
     error, hint = error_and_hint(result)
     assert error.startswith("attention backend FLASH_ATTN (from --backend) cannot run")
-    assert hint.startswith("use --backend auto to let attn_di choose")
+    if importlib.util.find_spec("vllm") is None:
+        assert hint.startswith("vLLM is not installed here: set it up with")
+        assert "bash scripts/setup-vllm.sh" in hint
+    else:
+        assert hint.startswith("use --backend auto to let attn_di choose")
 
 
 @pytest.mark.parametrize(

@@ -33,5 +33,7 @@ def test_importing_the_vllm_bridge_without_vllm_names_the_package_and_the_fix() 
         "attn_di.exceptions.MissingExtraError: attn_di.integrations.vllm needs the optional "
         "dependency 'vllm', which is not installed"
     )
-    assert last[1].startswith("Hint: install vLLM (0.32 or later) in an environment of its own")
+    assert last[1].startswith("Hint: vLLM (0.32 or later) goes in an environment of its own")
+    assert "bash scripts/setup-vllm.sh" in last[1]
+    assert "docs/guides/vllm.md" in last[1]
     assert issubclass(attn_di.exceptions.MissingExtraError, ImportError)

