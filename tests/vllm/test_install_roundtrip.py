@@ -1,6 +1,7 @@
 """install() and uninstall() against the real vLLM: with nothing registered while installed,
 uninstall() leaves both registries as they were before install() (vLLM's dicts, attn_di's
-registrations and member tables, ``ATTN_DI_REGISTRATIONS``).
+registrations and member tables, ``ATTN_DI_REGISTRATIONS``), and using a vLLM-only member
+(an override block, a registration then cleared) exports nothing.
 
 Each test takes the bridge down first (the session fixture installed it) and puts it back.
 """
@@ -99,3 +100,88 @@ def test_both_sides_registrations_of_one_member_come_back(
     assert _state() == before
     assert container.registration(attn_di.AttentionBackendEnum.CPU_ATTN) == TORCH_SDPA
     assert dict(registry._ATTN_OVERRIDES) == {AttentionBackendEnum.CPU_ATTN: NO_ATTENTION}
+
+
+def test_a_migrated_registration_of_a_vllm_only_member_leaves_nothing_behind() -> None:
+    """vLLM's registration of a vLLM-only member, made before install(): attn_di holds it
+    (on a runtime member made for it) while installed; uninstall() removes both, and
+    ATTN_DI_REGISTRATIONS is unset again."""
+    vllm_member = AttentionBackendEnum[VLLM_ONLY]
+    registry._ATTN_OVERRIDES[vllm_member] = TORCH_SDPA
+    before = _state()
+    assert before["attn_di registrations"] == {}
+    assert before["env"] is None
+
+    bridge.install()
+    member = attn_di.AttentionBackendEnum[VLLM_ONLY]
+    assert member.is_runtime
+    assert attn_di.get_container().registration(member) == TORCH_SDPA
+    assert json.loads(os.environ["ATTN_DI_REGISTRATIONS"]) == {VLLM_ONLY: TORCH_SDPA}
+
+    bridge.uninstall()
+    assert _state() == before
+    assert VLLM_ONLY not in attn_di.AttentionBackendEnum.__members__
+    assert "ATTN_DI_REGISTRATIONS" not in os.environ
+    assert dict(registry._ATTN_OVERRIDES) == {vllm_member: TORCH_SDPA}
+
+
+def test_an_override_block_of_a_vllm_only_member_is_never_exported() -> None:
+    """The block makes attn_di's runtime member (created on first use) and ends without a
+    registration or an ATTN_DI_REGISTRATIONS entry; uninstall() removes the member."""
+    before = _state()
+    bridge.install()
+    vllm_member = AttentionBackendEnum[VLLM_ONLY]
+    container = attn_di.get_container()
+    with container.override(vllm_member, TORCH_SDPA):
+        assert vllm_member.get_path() == TORCH_SDPA
+        assert container.export_registrations() == {}
+        assert "ATTN_DI_REGISTRATIONS" not in os.environ
+    member = attn_di.AttentionBackendEnum[VLLM_ONLY]
+    assert container.registration(member) is None
+    assert container.source(member) == "default"
+    assert not vllm_member.is_overridden()
+    assert container.export_registrations() == {}
+    assert "ATTN_DI_REGISTRATIONS" not in os.environ
+
+    bridge.uninstall()
+    assert _state() == before
+    assert VLLM_ONLY not in attn_di.AttentionBackendEnum.__members__
+
+
+@pytest.mark.parametrize("clear", ["clear_override", "del"])
+def test_a_cleared_registration_of_a_vllm_only_member_leaves_no_registration(clear: str) -> None:
+    """register_backend(vllm_member, path) is exported; vLLM's clear_override() (or deleting
+    it from vLLM's dict) leaves neither a registration nor an export of vLLM's default
+    path; uninstall() removes the runtime member."""
+    before = _state()
+    bridge.install()
+    vllm_member = AttentionBackendEnum[VLLM_ONLY]
+    registry.register_backend(vllm_member, TORCH_SDPA)
+    member = attn_di.AttentionBackendEnum[VLLM_ONLY]
+    assert json.loads(os.environ["ATTN_DI_REGISTRATIONS"]) == {VLLM_ONLY: TORCH_SDPA}
+    if clear == "clear_override":
+        vllm_member.clear_override()
+    else:
+        del registry._ATTN_OVERRIDES[vllm_member]
+    container = attn_di.get_container()
+    assert container.registration(member) is None
+    assert not vllm_member.is_overridden()
+    assert vllm_member.get_path() == vllm_member.value
+    assert container.export_registrations() == {}
+    assert "ATTN_DI_REGISTRATIONS" not in os.environ
+
+    bridge.uninstall()
+    assert _state() == before
+    assert VLLM_ONLY not in attn_di.AttentionBackendEnum.__members__
+
+
+def test_a_registration_made_while_installed_stays() -> None:
+    """A vLLM-only member registered while installed keeps its runtime member and its
+    registration (and ATTN_DI_REGISTRATIONS entry) after uninstall()."""
+    bridge.install()
+    registry.register_backend(AttentionBackendEnum[VLLM_ONLY], TORCH_SDPA)
+    bridge.uninstall()
+    member = attn_di.AttentionBackendEnum[VLLM_ONLY]
+    assert attn_di.get_container().registration(member) == TORCH_SDPA
+    assert json.loads(os.environ["ATTN_DI_REGISTRATIONS"]) == {VLLM_ONLY: TORCH_SDPA}
+    assert dict(registry._ATTN_OVERRIDES) == {}

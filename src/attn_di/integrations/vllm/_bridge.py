@@ -13,8 +13,10 @@
 On attn_di's side it uses only public hooks: :func:`attn_di.register_enum_alias` (vLLM's
 members accepted as attn_di members, vLLM-only names becoming runtime members when first
 used), :func:`attn_di.on_member_added` / :func:`attn_di.on_member_removed` (attn_di's runtime
-members mirrored into vLLM's enums), and the container's public methods. :func:`uninstall`
-puts every replaced object back and vLLM's member tables as they were.
+members mirrored into vLLM's enums), :func:`attn_di.remove_runtime_member` and the
+container's public methods. :func:`uninstall` puts every replaced object back and vLLM's
+member tables as they were, and removes the attn_di runtime members the bridge made for
+vLLM-only members (unless they hold a registration).
 """
 
 from __future__ import annotations
@@ -200,6 +202,8 @@ class _Installation:
             name: getattr(registry, name)
             for name in ("register_backend", *(side.overrides_attr for side in self.sides))
         }
+        # attn_di's members before install(): those the bridge creates go on uninstall().
+        self.attn_di_names = {side: set(side.attn_di_enum.__members__) for side in self.sides}
         # (container, attn_di member, path) of each registration install() copied from vLLM.
         self.migrated: list[tuple[Any, Any, str]] = []
         self.undo: list[Callable[[], None]] = []
@@ -265,7 +269,10 @@ def uninstall() -> None:
     come back; members the bridge added to vLLM's enums go. Registrations made through vLLM
     while installed stay in attn_di's container; those install() copied from vLLM are
     cleared there unless changed since (attn_di's own registration of a member vLLM had
-    registered too was never replaced: each side holds its own again).
+    registered too was never replaced: each side holds its own again). The attn_di runtime
+    members made for vLLM-only members while installed go unless they hold a registration,
+    an override block or a path of their own: with nothing changed since install(),
+    attn_di's members, registrations and ``ATTN_DI_REGISTRATIONS`` are as before it.
     """
     global _installation
     with _lock:
@@ -284,6 +291,8 @@ def uninstall() -> None:
             setattr(registry, name, value)
         for enum_state in state.enum_states:
             enum_state.restore()
+        for side, enum_state in zip(state.sides, state.enum_states, strict=True):
+            _remove_created(side, enum_state, state.attn_di_names[side])
 
 
 def load_plugin() -> None:
@@ -467,3 +476,22 @@ def _migrate(state: _Installation, side: Side) -> None:
     for member in side.attn_di_enum:
         if member.is_runtime and member.name in side.vllm_enum.__members__:
             side.mirrored.add(member.name)
+
+
+def _remove_created(side: Side, enum_state: _EnumState, names_before: set[str]) -> None:
+    """Remove the attn_di runtime members made, while installed, for vLLM-only members
+    (``register_enum_alias`` creates them on first use) that hold nothing of their own: no
+    registration or override block in the current container, valued by vLLM's default
+    path."""
+    container = side.container()
+    for member in side.attn_di_enum:
+        vllm_member = enum_state.member_map.get(member.name)
+        if (
+            member.name in names_before
+            or vllm_member is None
+            or not member.is_runtime
+            or member.default_path != (vllm_member.value or None)
+            or container.is_overridden(member)
+        ):
+            continue
+        attn_di.remove_runtime_member(member)
