@@ -5,6 +5,8 @@ runtime members, reading a registration, and vLLM 0.32's validate_configuration 
 from __future__ import annotations
 
 import enum
+import json
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +77,33 @@ def test_a_name_attn_di_lacks_becomes_a_runtime_member_on_first_use(
     assert not AttentionBackendEnum.CPU_ATTN.is_runtime
     with pytest.raises(BackendNotRegisteredError, match="NO_PATH"):
         container.backend(ForeignEnum.NO_PATH)
+
+
+@pytest.mark.usefixtures("aliased")
+def test_a_member_made_for_a_foreign_name_is_exported_only_while_registered(
+    container: BackendContainer, new_name: Callable[[], str]
+) -> None:
+    """FOREIGN_ONLY's value is the other project's default, not a registration: using the
+    foreign member (a lookup, an override block) or clearing its registration leaves nothing
+    in export_registrations() or ATTN_DI_REGISTRATIONS; attn_di's own runtime members are
+    exported with their value, as before."""
+    attn_di.set_auto_propagation(True)
+    path = "attn_di.backends.cpu_attn.CPUAttentionBackend"
+    assert container.backend(ForeignEnum.FOREIGN_ONLY) is TorchSDPABackend
+    with container.override(ForeignEnum.FOREIGN_ONLY, CPUAttentionBackend):
+        assert container.export_registrations() == {}
+    assert container.export_registrations() == {}
+    assert "ATTN_DI_REGISTRATIONS" not in os.environ
+    attn_di.register_backend(ForeignEnum.FOREIGN_ONLY, path)
+    assert container.export_registrations() == {"FOREIGN_ONLY": path}
+    assert json.loads(os.environ["ATTN_DI_REGISTRATIONS"]) == {"FOREIGN_ONLY": path}
+    AttentionBackendEnum.FOREIGN_ONLY.clear_override()
+    assert container.export_registrations() == {}
+    assert "ATTN_DI_REGISTRATIONS" not in os.environ
+    own = new_name()
+    attn_di.register_backend(own, path)
+    AttentionBackendEnum[own].clear_override()
+    assert container.export_registrations() == {own: path}
 
 
 def test_unaliased_foreign_members_are_refused(container: BackendContainer) -> None:

@@ -24,6 +24,7 @@ from attn_di._family import (
     BackendEnum,
     BackendFamily,
     family_of,
+    is_alias_member,
     native_member,
     on_member_added,
     on_member_removed,
@@ -255,8 +256,11 @@ class _ContainerAPI:
         """A JSON-serialisable snapshot ``{name: dotted path}`` of the registrations.
 
         Runtime members are included (with their registered or default path), so that
-        :meth:`apply_registrations` can recreate them in another process. A sub-container's
-        names carry its key (``"mamba:CUSTOM"``). Override blocks are scoped, never exported.
+        :meth:`apply_registrations` can recreate them in another process, except a member
+        created for another project's member (:func:`attn_di.register_enum_alias`) while it
+        has no registration: its default is that project's, not a registration. A
+        sub-container's names carry its key (``"mamba:CUSTOM"``). Override blocks are
+        scoped, never exported.
 
         Args:
             strict: raise for a class with no importable path; False leaves it out with an
@@ -281,8 +285,8 @@ class _ContainerAPI:
             for provider in container._own_providers():
                 name = provider.name
                 target = provider._registered
-                if target is None and name in builtin:
-                    continue
+                if target is None and (name in builtin or is_alias_member(provider.member)):
+                    continue  # a default: built in, or another project's (an enum alias)
                 target = target or provider._default
                 if target is None:
                     continue

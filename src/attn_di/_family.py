@@ -48,6 +48,7 @@ __all__ = [
     "BackendFamily",
     "families",
     "family_of",
+    "is_alias_member",
     "native_member",
     "on_member_added",
     "on_member_removed",
@@ -336,7 +337,9 @@ class BackendFamily:
             )
         return name
 
-    def add_member(self, name: str, class_path: str, default_cls: object = None) -> Any:
+    def add_member(
+        self, name: str, class_path: str, default_cls: object = None, *, alias: bool = False
+    ) -> Any:
         """Add a runtime member valued ``class_path`` (see :meth:`BackendEnum.register`).
 
         The member and its providers in every container appear together: a thread that
@@ -345,19 +348,30 @@ class BackendFamily:
         Args:
             default_cls: the class the path names, when already at hand (a decorated class,
                 possibly defined in a function): containers resolve to it without importing.
+            alias: the member stands for another project's member (:func:`native_member`):
+                its value is that project's default, which is not exported (see
+                :func:`is_alias_member`).
 
         Raises:
             InvalidBackendNameError, InvalidClassPathError, InvalidBackendTypeError: nothing
                 changes. So does an error raised by a warning (``-W error``: a name that
                 differs from another only by case) or by a listener of the change.
         """
-        member, created = self.ensure_member(name, class_path, default_cls, exist_ok=False)
+        member, created = self.ensure_member(
+            name, class_path, default_cls, exist_ok=False, alias=alias
+        )
         assert created
         self.announce_member(member)
         return member
 
     def ensure_member(
-        self, name: str, class_path: str, default_cls: object = None, *, exist_ok: bool = True
+        self,
+        name: str,
+        class_path: str,
+        default_cls: object = None,
+        *,
+        exist_ok: bool = True,
+        alias: bool = False,
     ) -> tuple[Any, bool]:
         """The member named ``name``, created (valued ``class_path``) if there is none:
         ``(member, created)``. Atomic: of threads ensuring one name at once, one creates it
@@ -391,6 +405,8 @@ class BackendFamily:
             member = self._new(name, class_path)
             if default_cls is not None:
                 member._default_cls_ = default_cls
+            if alias:
+                member._alias_of_foreign_ = True
             try:
                 for listener in list(_new_listeners):
                     listener(member)
@@ -521,8 +537,10 @@ def register_enum_alias(foreign_enum: type[Enum], native_enum: type[BackendEnum]
     ``register_backend(vllm_member, path)``, ``parse_backend_name``, ``select_backend``.
     A foreign member stands for the native member of the same name; a name the native enum
     lacks becomes a runtime member of it (valued by the foreign member's value, a dotted
-    class path) the first time the foreign member is used. Registering the same foreign
-    enum again replaces its native enum.
+    class path) the first time the foreign member is used. That value is the other
+    project's default, not a registration: such a member is exported
+    (``export_registrations``, ``ATTN_DI_REGISTRATIONS``) only while it has one. Registering
+    the same foreign enum again replaces its native enum.
 
     Args:
         foreign_enum: an :class:`enum.Enum` subclass whose member names are backend names.
@@ -578,8 +596,19 @@ def native_member(key: Any) -> Any:
     with REGISTRY_LOCK:
         member = family.enum._member_map_.get(name)
         if member is None:
-            member = family.add_member(name, value)
+            member = family.add_member(name, value, alias=True)
     return member
+
+
+def is_alias_member(member: object) -> bool:
+    """Whether ``member`` is a runtime member :func:`native_member` created for another
+    project's member (:func:`register_enum_alias`), valued by that member's default path.
+
+    Such a member's default is the other project's, which its enum gives every process (the
+    alias creates the member there on first use too): containers export it only while it
+    has a registration, so using it (an override block, a lookup) never writes
+    ``ATTN_DI_REGISTRATIONS``."""
+    return bool(getattr(member, "_alias_of_foreign_", False))
 
 
 def _discard(listeners: list[Callable[[Any], None]], listener: Callable[[Any], None]) -> None:

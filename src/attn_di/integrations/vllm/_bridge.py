@@ -13,8 +13,10 @@
 On attn_di's side it uses only public hooks: :func:`attn_di.register_enum_alias` (vLLM's
 members accepted as attn_di members, vLLM-only names becoming runtime members when first
 used), :func:`attn_di.on_member_added` / :func:`attn_di.on_member_removed` (attn_di's runtime
-members mirrored into vLLM's enums), and the container's public methods. :func:`uninstall`
-puts every replaced object back and vLLM's member tables as they were.
+members mirrored into vLLM's enums), :func:`attn_di.remove_runtime_member` and the
+container's public methods. :func:`uninstall` puts every replaced object back and vLLM's
+member tables as they were, and removes the attn_di runtime members the bridge made for
+vLLM-only members (unless they hold a registration).
 """
 
 from __future__ import annotations
@@ -72,6 +74,20 @@ class Side:
         """attn_di's provider for ``vllm_member`` in the current container, or None."""
         member = self.counterpart(vllm_member)
         return None if member is None else self.container().provider(member)
+
+    def registered(self, vllm_member: Enum) -> str | None:
+        """The path attn_di's current container holds as a registration for ``vllm_member``
+        (never creating a member), or None; as in :meth:`overridden`, a runtime member
+        valued by another path than vLLM's default counts (a propagated registration)."""
+        member = self.counterpart(vllm_member)
+        if member is None:
+            return None
+        path = self.container().registration(member)
+        if path is not None:
+            return str(path)
+        if member.is_runtime and member.default_path != (vllm_member.value or None):
+            return str(member.default_path)
+        return None
 
     def overridden(self, vllm_member: Enum) -> bool:
         """Whether attn_di holds a registration or an override for ``vllm_member`` here.
@@ -186,7 +202,10 @@ class _Installation:
             name: getattr(registry, name)
             for name in ("register_backend", *(side.overrides_attr for side in self.sides))
         }
-        self.migrated: list[tuple[Side, Any, str]] = []
+        # attn_di's members before install(): those the bridge creates go on uninstall().
+        self.attn_di_names = {side: set(side.attn_di_enum.__members__) for side in self.sides}
+        # (container, attn_di member, path) of each registration install() copied from vLLM.
+        self.migrated: list[tuple[Any, Any, str]] = []
         self.undo: list[Callable[[], None]] = []
 
 
@@ -213,8 +232,10 @@ def install() -> None:
     """Make vLLM's registry and selector resolve through attn_di's current container.
 
     Idempotent. vLLM's registrations made before the call (``register_backend`` on vLLM's
-    side) become attn_di registrations; attn_di's runtime members get vLLM members of the
-    same name. See the package docstring for what is replaced.
+    side) become attn_di registrations, except for a member attn_di holds a registration for
+    already: attn_di's is kept (it is what ``ATTN_DI_REGISTRATIONS`` carries to the processes
+    this one starts) and vLLM's comes back on :func:`uninstall`. attn_di's runtime members get
+    vLLM members of the same name. See the package docstring for what is replaced.
     """
     global _installation
     with _lock:
@@ -247,7 +268,11 @@ def uninstall() -> None:
     vLLM's functions, module dicts (with their old contents), enum methods and member tables
     come back; members the bridge added to vLLM's enums go. Registrations made through vLLM
     while installed stay in attn_di's container; those install() copied from vLLM are
-    cleared there unless changed since.
+    cleared there unless changed since (attn_di's own registration of a member vLLM had
+    registered too was never replaced: each side holds its own again). The attn_di runtime
+    members made for vLLM-only members while installed go unless they hold a registration,
+    an override block or a path of their own: with nothing changed since install(),
+    attn_di's members, registrations and ``ATTN_DI_REGISTRATIONS`` are as before it.
     """
     global _installation
     with _lock:
@@ -257,16 +282,17 @@ def uninstall() -> None:
         _installation = None
         for undo in reversed(state.undo):
             undo()
+        for container, member, class_path in state.migrated:
+            if container.registration(member) == class_path:
+                container.clear_override(member)
         for side in state.sides:
             attn_di.unregister_enum_alias(side.vllm_enum)
         for name, value in state.module_attrs.items():
             setattr(registry, name, value)
         for enum_state in state.enum_states:
             enum_state.restore()
-        for side, member, class_path in state.migrated:
-            container = side.container()
-            if container.registration(member) == class_path:
-                container.clear_override(member)
+        for side, enum_state in zip(state.sides, state.enum_states, strict=True):
+            _remove_created(side, enum_state, state.attn_di_names[side])
 
 
 def load_plugin() -> None:
@@ -428,13 +454,44 @@ def _mirror_removed(member: Any) -> None:
 
 
 def _migrate(state: _Installation, side: Side) -> None:
-    """vLLM's registrations made before install() become attn_di registrations; attn_di's
-    runtime members vLLM already has count as mirrored."""
+    """vLLM's registrations made before install() become attn_di registrations, unless
+    attn_di holds one for the member (attn_di's wins; vLLM's dict keeps its own, for
+    uninstall()); attn_di's runtime members vLLM already has count as mirrored."""
     overrides: dict[Any, str] = getattr(registry, side.overrides_attr)
     for member, class_path in list(overrides.items()):
-        if isinstance(member, side.vllm_enum) and isinstance(class_path, str) and class_path:
-            side.container().register(member, class_path)
-            state.migrated.append((side, side.counterpart(member), class_path))
+        if not (isinstance(member, side.vllm_enum) and isinstance(class_path, str) and class_path):
+            continue
+        kept = side.registered(member)
+        if kept is not None:
+            if kept != class_path:
+                _logger.warning(
+                    "attn_di: %s is registered on both sides: attn_di's %s is kept while the "
+                    "bridge is installed (vLLM's %s comes back on uninstall())",
+                    member.name, kept, class_path,
+                )  # fmt: skip
+            continue
+        container = side.container()
+        container.register(member, class_path)
+        state.migrated.append((container, side.counterpart(member), class_path))
     for member in side.attn_di_enum:
         if member.is_runtime and member.name in side.vllm_enum.__members__:
             side.mirrored.add(member.name)
+
+
+def _remove_created(side: Side, enum_state: _EnumState, names_before: set[str]) -> None:
+    """Remove the attn_di runtime members made, while installed, for vLLM-only members
+    (``register_enum_alias`` creates them on first use) that hold nothing of their own: no
+    registration or override block in the current container, valued by vLLM's default
+    path."""
+    container = side.container()
+    for member in side.attn_di_enum:
+        vllm_member = enum_state.member_map.get(member.name)
+        if (
+            member.name in names_before
+            or vllm_member is None
+            or not member.is_runtime
+            or member.default_path != (vllm_member.value or None)
+            or container.is_overridden(member)
+        ):
+            continue
+        attn_di.remove_runtime_member(member)
