@@ -4,6 +4,7 @@ BaseException, local overrides restored from other threads, bad paths, bad confi
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import os
 import subprocess
@@ -123,6 +124,7 @@ def test_reading_the_tables_survives_a_change_during_the_copy(
 # -- plugins that raise BaseException -----------------------------------------------------
 PLUGIN_SOURCE = """
 import collections
+import enum
 import sys
 import attn_di
 from dependency_injector.wiring import Provide, inject
@@ -174,6 +176,32 @@ def di_overrides():
     container.mamba.MAMBA2.override(providers.Object(collections.Counter))
     container.wire(modules=[__name__])
     raise RuntimeError("fails after its dependency-injector overrides")
+
+def removes():
+    attn_di.remove_runtime_member(E.__members__["{new}"])
+    raise RuntimeError("fails after removing a member")
+
+def replaces():
+    attn_di.remove_runtime_member(E.__members__["{new}"])
+    attn_di.register_backend("{new}", "collections.Counter")
+    raise RuntimeError("fails after replacing a member")
+
+SEEN = []  # what the listeners of subscribes() were told
+DROP = []  # what subscribes() calls first: the test's unsubscribe functions
+
+class Foreign(enum.Enum):  # an enum subscribes() aliases
+    CPU_ATTN = "collections.Counter"
+
+class Kept(enum.Enum):  # an enum the test aliases (and subscribes() drops)
+    CPU_ATTN = "collections.Counter"
+
+def subscribes():
+    for undo in DROP:
+        undo()
+    attn_di.on_member_added(lambda member: SEEN.append(("added", member.name)))
+    attn_di.on_member_removed(lambda member: SEEN.append(("removed", member.name)))
+    attn_di.register_enum_alias(Foreign, E)
+    raise RuntimeError("fails after its subscriptions")
 """
 
 
@@ -265,6 +293,90 @@ def test_a_failed_plugins_dependency_injector_overrides_are_undone(
     assert selection.backend is E.CPU_ATTN
     module = sys.modules[next(m for m in sys.modules if m.startswith("fault_plugins_"))]
     assert not isinstance(module.injected(), type)  # unwired: the marker, not a class
+
+
+@pytest.mark.parametrize(
+    ("failing", "error"),
+    [
+        ("removes", "RuntimeError: fails after removing a member"),
+        ("replaces", "RuntimeError: fails after replacing a member"),
+    ],
+)
+def test_a_member_a_failed_plugin_removed_comes_back_whole(
+    failing: str,
+    error: str,
+    plugins: Callable[[list[str]], str],
+    container: BackendContainer,
+    new_name: Callable[[], str],
+) -> None:
+    """A plugin that removes a runtime member made before it (or removes it and registers the
+    name anew), then raises: the very member comes back, in its place among the members, with
+    its very providers in every container (registrations, an override layer that still ends
+    as usual, a dependency-injector override)."""
+    member_name = plugins([failing])
+    register_backend(member_name, "collections.OrderedDict")
+    register_backend(new_name(), "collections.deque")  # a member after it
+    member = E.__members__[member_name]
+    other = BackendContainer()
+    other.register(member, "collections.defaultdict")
+    other.provider(member).override(providers.Object(collections.ChainMap))
+    with container.override(member, collections.Counter):
+
+        def state() -> tuple[object, ...]:
+            return (
+                list(E.__members__),
+                E.__members__[member_name],
+                container.export_registrations(),
+                other.export_registrations(),
+                container.provider(member),
+                other.provider(member),
+                container.backend(member),
+                other.backend(member),
+            )
+
+        before = state()
+        (failed,) = load_plugins().failed
+        assert failed.error == error
+        assert state() == before
+    assert container.backend(member) is collections.OrderedDict  # the layer ended as usual
+    assert container.active_overrides() == []
+    assert other.backend(member) is collections.ChainMap
+    other.provider(member).reset_override()
+    assert other.backend(member) is collections.defaultdict
+
+
+def test_a_failed_plugins_listeners_and_aliases_are_undone(
+    plugins: Callable[[list[str]], str],
+    container: BackendContainer,
+    new_name: Callable[[], str],
+) -> None:
+    """A plugin that drops a listener and an enum alias made before it, subscribes listeners
+    of its own and aliases another enum, then raises: its listeners are never called and its
+    alias is not accepted; the listeners and the alias it dropped are back."""
+    member_name = plugins(["subscribes"])
+    module = importlib.import_module(f"fault_plugins_{member_name.lower()}")
+    seen: list[tuple[str, str]] = []
+    unsubscribes = [
+        attn_di.on_member_added(lambda member: seen.append(("added", member.name))),
+        attn_di.on_member_removed(lambda member: seen.append(("removed", member.name))),
+    ]
+    attn_di.register_enum_alias(module.Kept, E)
+    module.DROP.extend([*unsubscribes, lambda: attn_di.unregister_enum_alias(module.Kept)])
+    try:
+        (failed,) = load_plugins().failed
+        assert failed.error == "RuntimeError: fails after its subscriptions"
+        later = new_name()
+        register_backend(later, "collections.deque")
+        attn_di.remove_runtime_member(E.__members__[later])
+        assert module.SEEN == []
+        assert seen == [("added", later), ("removed", later)]
+        assert container.provider(module.Kept.CPU_ATTN) is container.provider(E.CPU_ATTN)
+        with pytest.raises(InvalidBackendTypeError):
+            container.provider(module.Foreign.CPU_ATTN)
+    finally:
+        for unsubscribe in unsubscribes:
+            unsubscribe()
+        attn_di.unregister_enum_alias(module.Kept)
 
 
 def test_a_plugin_failing_on_a_warning_raised_as_an_error_is_rolled_back_whole(

@@ -53,6 +53,7 @@ __all__ = [
     "BackendContainer",
     "BackendKey",
     "MambaBackendContainer",
+    "RuntimeProviders",
     "warn_unexportable",
 ]
 
@@ -718,6 +719,36 @@ def _remove_runtime_provider(member: Any) -> None:
 
 on_member_added(_add_runtime_provider)
 on_member_removed(_remove_runtime_provider)
+
+
+class RuntimeProviders:
+    """The providers of every runtime member, as they are when made: in the declarative
+    container classes and in every live container. :meth:`restore` gives members removed and
+    put back since (:meth:`~attn_di._family.BackendFamily.restore_members`) those very
+    providers again, with their registrations, override layers and dependency-injector
+    overrides (a failed plugin's rollback)."""
+
+    def __init__(self) -> None:
+        self.held: dict[BackendEnum, list[tuple[Any, BackendProvider]]] = {}
+        with REGISTRY_LOCK:
+            for family, declarative in _DECLARATIVE.items():
+                for member in family.runtime_members():
+                    provider = vars(declarative).get(member.name)
+                    if isinstance(provider, BackendProvider) and provider.member is member:
+                        self.held.setdefault(member, []).append((declarative, provider))
+            for container in snapshot(lambda: list(_live_containers)):
+                for member in container.family.runtime_members():
+                    provider = container._by_key.get(member)
+                    if provider is not None:
+                        self.held.setdefault(member, []).append((container, provider))
+
+    def restore(self, members: Iterable[BackendEnum]) -> None:
+        """Put back the providers ``members`` had when this was made, in place of those made
+        for them since."""
+        with REGISTRY_LOCK:
+            for member in members:
+                for holder, provider in self.held.get(member, ()):
+                    setattr(holder, member.name, provider)
 
 
 def _registration_target(class_path: object) -> Target:

@@ -17,6 +17,7 @@ re-registration of the name work.
 
 from __future__ import annotations
 
+import contextlib
 import keyword
 import re
 import warnings
@@ -46,6 +47,7 @@ __all__ = [
     "BackendEnum",
     "BackendEnumMeta",
     "BackendFamily",
+    "Subscriptions",
     "families",
     "family_of",
     "is_alias_member",
@@ -454,6 +456,46 @@ class BackendFamily:
         if notify:
             notify_registrations_changed(None)
 
+    def restore_members(self, members: tuple[Any, ...]) -> list[Any]:
+        """Put back the runtime members of ``members`` (this enum's :meth:`members` at an
+        earlier moment) that were removed since: the very objects, in that order, the
+        listeners of new members told first (a failed plugin's rollback). A name another
+        member holds now is left to it.
+
+        A listener that raises (an ``Exception``) does not stop the others or the restore.
+
+        Returns:
+            The members put back, oldest first.
+        """
+        cls = self.enum
+        restored = []
+        with REGISTRY_LOCK:
+            for member in members:
+                if member._name_ in self.builtin or member._name_ in cls._member_map_:
+                    continue
+                for listener in list(_new_listeners):
+                    with contextlib.suppress(Exception):
+                        listener(member)
+                self._publish(member)
+                restored.append(member)
+            if restored:
+                self._reorder([member._name_ for member in members])
+        return restored
+
+    def _reorder(self, names: list[str]) -> None:
+        """Order the enum's tables as ``names`` (names not in it last, as they are): one
+        swap of the member map, so a reader never misses a member."""
+        cls = self.enum
+        current = cls._member_map_
+        position = {name: index for index, name in enumerate(names)}
+        order = sorted(current, key=lambda name: position.get(name, len(names)))
+        if order == list(current):
+            return
+        type.__setattr__(cls, "_member_map_", {name: current[name] for name in order})
+        cls._member_names_[:] = sorted(
+            cls._member_names_, key=lambda name: position.get(name, len(names))
+        )
+
     def _new(self, name: str, class_path: str) -> Any:
         """A member object, not yet in the enum's tables (see :meth:`_publish`)."""
         member = object.__new__(self.enum)
@@ -527,6 +569,28 @@ def on_member_removed(listener: Callable[[Any], None]) -> Callable[[], None]:
     """
     _removed_listeners.append(listener)
     return lambda: _discard(_removed_listeners, listener)
+
+
+class Subscriptions:
+    """The listeners of :func:`on_member_added` and :func:`on_member_removed` and the aliases of
+    :func:`register_enum_alias`, as they are when made; :meth:`restore` puts them back as they
+    were (a failed plugin's rollback: what it subscribed or aliased goes, what it dropped
+    comes back)."""
+
+    def __init__(self) -> None:
+        with REGISTRY_LOCK:
+            self.added = tuple(_new_listeners)
+            self.removed = tuple(_removed_listeners)
+            self.aliases = dict(_ALIASES)
+
+    def restore(self) -> None:
+        """Put the listeners and aliases back as they were when this was made."""
+        with REGISTRY_LOCK:
+            _new_listeners[:] = self.added
+            _removed_listeners[:] = self.removed
+            for foreign_enum in [key for key in _ALIASES if key not in self.aliases]:
+                del _ALIASES[foreign_enum]
+            _ALIASES.update(self.aliases)
 
 
 def register_enum_alias(foreign_enum: type[Enum], native_enum: type[BackendEnum]) -> None:

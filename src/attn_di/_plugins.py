@@ -6,12 +6,15 @@ that registers backends (``register_backend(...)``, runtime members included).
 allowlist, and records which distribution provided which registrations
 (:func:`plugin_report`, shown by ``attn-di list``). A plugin that raises, anything
 including ``SystemExit`` and other ``BaseException``s, is logged with its traceback and
-reported as failed; its partial registrations, new members, the override layers it
-opened and what it changed through dependency-injector itself (provider and container
-overrides, the configuration, wiring) are rolled back; the others still load, and it is
-not run again. A
-``KeyboardInterrupt`` is rolled back and recorded the same way, then re-raised (the user
-asked to stop): the plugins not reached yet are named in a warning and load at the next
+reported as failed, and everything it changed is rolled back: its partial registrations,
+the members it created, the runtime members it removed (the same objects come back, in their
+place, with their providers in every container), the override layers it opened, the
+listeners it subscribed or dropped (``on_member_added``, ``on_member_removed``), the enum
+aliases it registered or dropped (``register_enum_alias``) and what it changed through
+dependency-injector itself (provider and container overrides, the configuration, wiring);
+none of its listeners runs during the rollback. The others still load, and it is not run
+again. A ``KeyboardInterrupt`` is rolled back and recorded the same way, then re-raised (the
+user asked to stop): the plugins not reached yet are named in a warning and load at the next
 :func:`load_plugins`.
 
 Entry points are only read when :func:`load_plugins` is called, never at ``import attn_di``.
@@ -28,11 +31,11 @@ from dataclasses import dataclass, field
 from traceback import format_exception
 from typing import TYPE_CHECKING, Any, Literal
 
-from attn_di._container import BackendContainer
+from attn_di._container import BackendContainer, RuntimeProviders
 from attn_di._default import get_container
-from attn_di._family import BackendEnum, families, family_of
+from attn_di._family import BackendEnum, BackendFamily, Subscriptions, families, family_of
 from attn_di._propagation import PLUGINS_ENV
-from attn_di._provider import BackendProvider, Layer, Target
+from attn_di._provider import Target
 from attn_di._state import LOCAL_LAYERS, REGISTRY_LOCK, notify_quietly
 
 if TYPE_CHECKING:
@@ -232,11 +235,7 @@ def _record(
 
 
 def _load(entry_point: EntryPoint, container: BackendContainer) -> PluginRecord:
-    before = _registrations(container)
-    members_before = {m for family in families() for m in family.runtime_members()}
-    layers_before = {p: list(p._layers) for p in container.all_providers()}
-    local_before = LOCAL_LAYERS.get()
-    di_before = _DIState.of(container)
+    before = _Before(container)
     where = _distribution(entry_point)[0] or "an unknown distribution"
     try:
         plugin = entry_point.load()
@@ -244,7 +243,7 @@ def _load(entry_point: EntryPoint, container: BackendContainer) -> PluginRecord:
             raise TypeError(f"{entry_point.value} is not callable: {plugin!r}")
         plugin()
     except BaseException as error:  # SystemExit and friends too: a plugin never ends the host
-        _roll_back(container, before, members_before, layers_before, local_before, di_before)
+        _roll_back(container, before)
         logger.error(
             "attn_di plugin %r from %s failed; its registrations, members and overrides "
             "were rolled back",
@@ -260,7 +259,7 @@ def _load(entry_point: EntryPoint, container: BackendContainer) -> PluginRecord:
             error=f"{type(error).__name__}: {error}",
             traceback="".join(format_exception(error)),
         )
-    members = _attribute(container, before)
+    members = _attribute(container, before.registrations)
     logger.info(
         "loaded attn_di plugin %r from %s (registered %s)",
         entry_point.name,
@@ -294,6 +293,22 @@ def _attribute(container: BackendContainer, before: dict[str, Target | None]) ->
             target.source = "plugin"
         names.append(name)
     return tuple(names)
+
+
+class _Before:
+    """What a plugin may change, as it is before the plugin runs (what :func:`_roll_back`
+    returns to)."""
+
+    def __init__(self, container: BackendContainer) -> None:
+        self.registrations = _registrations(container)
+        self.members: dict[BackendFamily, tuple[BackendEnum, ...]] = {
+            family: family.members() for family in families()
+        }
+        self.providers = RuntimeProviders()
+        self.layers = {p: list(p._layers) for p in container.all_providers()}
+        self.local = LOCAL_LAYERS.get()
+        self.subscriptions = Subscriptions()
+        self.di = _DIState.of(container)
 
 
 class _DIState:
@@ -346,33 +361,30 @@ def _diverged(current: tuple[object, ...], kept: tuple[object, ...]) -> bool:
     return any(a is not b for a, b in zip(current, kept, strict=False))
 
 
-def _roll_back(
-    container: BackendContainer,
-    before: dict[str, Target | None],
-    members_before: set[BackendEnum],
-    layers_before: dict[BackendProvider, list[tuple[Layer, Target]]],
-    local_before: tuple[Layer, ...],
-    di_before: _DIState,
-) -> None:
-    for family in families():
+def _roll_back(container: BackendContainer, before: _Before) -> None:
+    # The plugin's listeners go first: none of its code runs during the rollback.
+    before.subscriptions.restore()
+    for family, members in before.members.items():
+        kept = set(members)
         for member in family.runtime_members():
-            if member not in members_before:
+            if member not in kept:
                 family.remove_member(member, notify=False)
+        before.providers.restore(family.restore_members(members))
     with REGISTRY_LOCK:
         for provider in container.all_providers():
-            previous = before.get(_qualified(provider.member))
+            previous = before.registrations.get(_qualified(provider.member))
             if provider._registered is not previous:
                 provider.set_registration(previous)
-            kept = layers_before.get(provider, [])
+            kept_layers = before.layers.get(provider, [])
             for layer, _ in list(provider._layers):
-                if all(layer is not old for old, _ in kept):
+                if all(layer is not old for old, _ in kept_layers):
                     layer.alive = False
                     provider.remove_layer(layer)
         for layer in LOCAL_LAYERS.get():
-            if layer not in local_before:
+            if layer not in before.local:
                 layer.alive = False
-    LOCAL_LAYERS.set(local_before)
-    di_before.restore()
+    LOCAL_LAYERS.set(before.local)
+    before.di.restore()
     # The environment snapshot too, once everything is back (a warning raised as an error
     # there must not stop the rollback half-way).
     notify_quietly(None)

@@ -306,7 +306,9 @@ def test_the_layers_of_a_step_check_its_metadata_once(
 
 # -- a step is all or nothing ----------------------------------------------------------------
 class _FailOnce:
-    """A forward hook (or pre-hook) that raises ``error`` the first time it runs."""
+    """A forward hook (or pre-hook) that raises a copy of ``error`` the first time it runs
+    (a copy: the parametrized instance never gets a traceback, which would keep the failed
+    test's model and cache alive)."""
 
     def __init__(self, error: BaseException) -> None:
         self.error: BaseException | None = error
@@ -314,7 +316,7 @@ class _FailOnce:
     def __call__(self, *args: Any) -> None:
         error, self.error = self.error, None
         if error is not None:
-            raise error
+            raise copy.copy(error)
 
 
 def _where(model: transformers.PreTrainedModel, where: str, error: BaseException) -> Any:
@@ -409,10 +411,10 @@ def test_a_cache_built_for_another_model_is_refused() -> None:
     assert cache.seq_lens == [before[0][0] + 1, before[0][1] + 1]
 
 
-def test_the_hook_path_is_held_only_until_the_first_step() -> None:
-    """A new cache keeps a no-op global forward pre-hook (torch then runs module hooks, so
-    the first forward's return is seen) until its first step; afterwards, or once the cache
-    is garbage, no global hook is left."""
+def test_the_hook_path_is_held_while_a_cache_lives() -> None:
+    """A cache keeps a no-op global forward pre-hook (torch then runs module hooks, so the
+    first forward of any model that steps it is seen returning) for as long as it lives,
+    stepped or not; once every cache is garbage, no global hook is left."""
     from torch.nn.modules import module as torch_module
 
     from attn_di.integrations.transformers import _scope
@@ -423,16 +425,63 @@ def test_the_hook_path_is_held_only_until_the_first_step() -> None:
         )
 
     model = tiny_llama("attn_di:CPU_ATTN")
-    assert global_hooks() == 0
+    gc.collect()
+    held = _scope._hook_path[0]  # caches other tests left alive (0 when run alone)
     cache = PagedCache(model.config)
     unused = PagedCache(model.config)
-    assert global_hooks() == 1
+    assert (_scope._hook_path[0], global_hooks()) == (held + 2, 1)
     _logits(model, cache, 0)
-    assert global_hooks() == 1  # the unused cache still holds it
     del unused
     gc.collect()
-    assert global_hooks() == 0
+    assert (_scope._hook_path[0], global_hooks()) == (held + 1, 1)  # the stepped cache holds it
+    _logits(model, cache, 1)
+    del cache
+    gc.collect()
+    assert (_scope._hook_path[0], global_hooks()) == (held, 1 if held else 0)
     assert list(model._forward_hooks.values()) == [_scope._committed]
+
+
+@pytest.mark.parametrize(
+    ("where", "error"),
+    [
+        ("mlp of the last layer", RuntimeError("an MLP fails")),
+        ("between layers", KeyboardInterrupt()),
+        ("after the last layer", RuntimeError("a hook on lm_head fails")),
+    ],
+    ids=["mlp", "interrupt-between-layers", "after-last-layer"],
+)
+def test_a_failed_first_step_of_a_second_model_object_is_rolled_back(
+    where: str, error: BaseException
+) -> None:
+    """A cache stepped twice by its model, then by a second model object of the same config
+    and weights (never called before, no hooks of its own) whose first step fails anywhere:
+    that step is rolled back as the first model's would be, and the retry and the step after
+    it give eager's logits."""
+    model = tiny_llama("attn_di:CPU_ATTN")
+    second = transformers.LlamaForCausalLM(model.config).eval()
+    second.load_state_dict(model.state_dict())
+    second.set_attn_implementation("attn_di:CPU_ATTN")
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    reference = transformers.DynamicCache()
+    expected = [_logits(eager, reference, index) for index in range(len(TOKENS) + 1)]
+    cache = PagedCache(model.config, block_size=2, fill_value=float("nan"))
+    for index in (0, 1):
+        torch.testing.assert_close(
+            _logits(model, cache, index), expected[index], atol=1e-4, rtol=1e-4
+        )
+    before = (cache.seq_lens, cache.get_seq_length(), cache.block_tables)
+    used = cache.num_blocks - cache.num_free_blocks
+    handle = _where(second, where, error)
+    with pytest.raises(type(error)):
+        _logits(second, cache, 2)
+    handle.remove()
+    assert (cache.seq_lens, cache.get_seq_length(), cache.block_tables) == before
+    assert cache.num_blocks - cache.num_free_blocks == used
+    for index in (2, 3):
+        torch.testing.assert_close(
+            _logits(second, cache, index), expected[index], atol=1e-4, rtol=1e-4
+        )
 
 
 def test_a_cache_in_a_step_in_another_thread_is_refused() -> None:

@@ -266,9 +266,9 @@ class PagedCache(Cache):
         self._before: tuple[int, list[int], list[int]] = (0, [], [])
         # The model call of the step begun and not yet committed (see _scope), or None.
         self._open: ModelCall | None = None
-        # Until the first step has found its model, torch runs module hooks (see _scope).
-        self._release_hook_path = hold_hook_path()
-        weakref.finalize(self, self._release_hook_path)
+        # While the cache lives, torch runs module hooks: the return of the first forward of
+        # any model that steps it is seen (see _scope).
+        weakref.finalize(self, hold_hook_path())
 
     # -- what transformers calls -----------------------------------------------------
     def update(
@@ -320,7 +320,6 @@ class PagedCache(Cache):
             self._before = (self._columns, list(self._seq_lens), [len(t) for t in self._tables])
             if call is not None:
                 watch(call.model)
-                self._release_hook_path()
                 if call.hooked:  # its return will be seen: commit then
                     self._open = call
                     open_step(self)

@@ -10,11 +10,13 @@ Which forward: the outermost ``transformers.PreTrainedModel`` whose call is on t
 the step begins (``LlamaForCausalLM``, not ``LlamaModel`` inside it: the step ends after
 ``lm_head``), found by :func:`model_call` from torch's ``Module._call_impl`` frames.
 
-When it returns: a forward hook of that model (:func:`watch`, registered once per model;
-deep copies carry it). torch reads a module's hooks when its call starts, and skips them all
-for a module that had none; so that the very first forward of a model is seen ending too,
-a no-op global forward pre-hook is held (:func:`hold_hook_path`) from a cache's creation
-until its first step, which makes torch take the hook path for every module meanwhile.
+When it returns: a forward hook of that model (:func:`watch`, registered at its first step
+on a cache; deep copies carry it). torch reads a module's hooks when its call starts, and
+skips them all for a module that had none; so that the first forward of every model object
+that steps a cache is seen ending too (the model the cache was made for, a second model of
+the same weights, a copy made before the first step), a no-op global forward pre-hook is
+held (:func:`hold_hook_path`) for as long as a cache lives. torch then takes its hook path
+for every module meanwhile: one call of the no-op per module call.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def watch(model: PreTrainedModel) -> None:
 
 def hold_hook_path() -> Callable[[], None]:
     """Keep torch on its hook path for every module until the returned function is called
-    (idempotent; :class:`PagedCache` also calls it when garbage collected)."""
+    (idempotent; :class:`PagedCache` calls it when garbage collected)."""
     with _hook_path_lock:
         _hook_path[0] += 1
         if _hook_path[1] is None:
@@ -126,22 +128,23 @@ def hold_hook_path() -> Callable[[], None]:
     released = [False]
 
     def release() -> None:
-        if released[0]:  # the common case: every step after the first
-            return
+        handle = None
         with _hook_path_lock:
             if released[0]:
                 return
             released[0] = True
             _hook_path[0] -= 1
-            if _hook_path[0] == 0 and _hook_path[1] is not None:
-                _hook_path[1].remove()
-                _hook_path[1] = None
+            if _hook_path[0] == 0:
+                handle, _hook_path[1] = _hook_path[1], None
+        if handle is not None:
+            handle.remove()
 
     return release
 
 
 _hook_path: list[Any] = [0, None]  # caches holding it, the global hook's handle
-_hook_path_lock = threading.Lock()
+# Reentrant: a garbage collection inside a locked block may finalize a cache, which releases.
+_hook_path_lock = threading.RLock()
 
 
 def _no_op(module: torch.nn.Module, args: Any) -> None:
