@@ -112,7 +112,7 @@ def test_unknown_name_without_anything_close() -> None:
     with pytest.raises(UnknownBackendError) as caught:
         AttentionBackendEnum["ZZZZZZZZZZZZ"]
     assert caught.value.suggestion is None
-    assert "AttentionBackendEnum.register" in str(caught.value)
+    assert "register_backend('ZZZZZZZZZZZZ', " in str(caught.value)
 
 
 def test_get_path_default_and_module_part() -> None:
