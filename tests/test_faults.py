@@ -379,6 +379,31 @@ def test_a_failed_plugins_listeners_and_aliases_are_undone(
         attn_di.unregister_enum_alias(module.Kept)
 
 
+def test_a_removal_listener_that_raises_does_not_stop_a_rollback(
+    plugins: Callable[[list[str]], str], container: BackendContainer
+) -> None:
+    """A listener subscribed before the plugins, raising when the failed plugin's new member
+    is removed: the rollback still ends whole and the next plugin loads (the error does not
+    escape load_plugins)."""
+    member_name = plugins(["exits", "good"])
+    told: list[str] = []
+
+    def picky(member: E) -> None:
+        told.append(member.name)
+        if member.name == member_name:
+            raise ValueError("a listener fails for the plugin's member")
+
+    unsubscribe = attn_di.on_member_removed(picky)
+    try:
+        report = load_plugins()
+    finally:
+        unsubscribe()
+    assert member_name in told
+    _assert_rolled_back(container, member_name)
+    assert [(p.name, p.status) for p in report.plugins] == [("exits", "failed"), ("good", "loaded")]
+    E.CUSTOM.clear_override()
+
+
 def test_a_plugin_failing_on_a_warning_raised_as_an_error_is_rolled_back_whole(
     plugins: Callable[[list[str]], str], container: BackendContainer
 ) -> None:

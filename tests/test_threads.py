@@ -7,6 +7,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+import pytest
+
 from attn_di import AttentionBackendEnum, BackendContainer, register_backend
 
 VALID = {collections.OrderedDict, collections.Counter, collections.deque}
@@ -99,3 +101,37 @@ def test_threads_creating_one_new_member_all_succeed(
         sys.setswitchinterval(switch)
     register_backend(name, "collections.ChainMap")
     assert container.get_path(name) == "collections.ChainMap"
+
+
+def test_a_module_another_thread_is_still_importing_is_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A class path's module that is in ``sys.modules`` but still initialising (another
+    thread is importing it) goes through ``importlib.import_module``, which waits for that
+    import, instead of being read half made ("has no attribute ..."); a finished one is used
+    as it is."""
+    import importlib
+    import importlib.machinery
+    import sys
+    import types
+
+    from attn_di import _paths
+
+    half = types.ModuleType("attn_di_half_imported")
+    half.__spec__ = importlib.machinery.ModuleSpec("attn_di_half_imported", None)
+    half.__spec__._initializing = True  # type: ignore[attr-defined]
+    done = types.ModuleType("attn_di_half_imported")
+    done.Backend = object  # type: ignore[attr-defined]
+    waited: list[str] = []
+
+    def import_module(name: str) -> types.ModuleType:
+        waited.append(name)
+        return done
+
+    monkeypatch.setitem(sys.modules, "attn_di_half_imported", half)
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    assert _paths._import_module("attn_di_half_imported") is done
+    assert waited == ["attn_di_half_imported"]
+    half.__spec__._initializing = False  # type: ignore[attr-defined]
+    assert _paths._import_module("attn_di_half_imported") is half
+    assert waited == ["attn_di_half_imported"]

@@ -430,10 +430,14 @@ class BackendFamily:
             notify_quietly(None)
             raise
 
-    def remove_member(self, member: BackendEnum, *, notify: bool = True) -> None:
+    def remove_member(
+        self, member: BackendEnum, *, notify: bool = True, quiet: bool = False
+    ) -> None:
         """Remove a runtime member and its providers (test isolation; built-ins are kept).
 
         A member already removed by hand (as vLLM's tests do) only loses its providers.
+        With ``quiet`` (a rollback), a removal listener that raises an ``Exception`` does not
+        stop the others or the removal.
 
         Raises:
             InvalidBackendNameError: ``member`` is a built-in member.
@@ -452,7 +456,11 @@ class BackendFamily:
             if cls._value2member_map_.get(member._value_) is member:
                 del cls._value2member_map_[member._value_]
             for listener in list(_removed_listeners):
-                listener(member)
+                if quiet:
+                    with contextlib.suppress(Exception):
+                        listener(member)
+                else:
+                    listener(member)
         if notify:
             notify_registrations_changed(None)
 

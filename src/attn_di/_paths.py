@@ -124,8 +124,13 @@ def resolves_to(class_path: str, backend_cls: object) -> bool:
 
 
 def _import_module(module_name: str) -> Any:
+    """The module, imported if needed. A module another thread is still importing (in
+    ``sys.modules`` with its spec ``_initializing``) goes through ``importlib``, which waits
+    for that import to finish, rather than being returned half made."""
     module = sys.modules.get(module_name)
-    if module is not None:
+    if module is not None and not getattr(
+        getattr(module, "__spec__", None), "_initializing", False
+    ):
         return module
     return importlib.import_module(module_name)
 

@@ -368,7 +368,7 @@ def _roll_back(container: BackendContainer, before: _Before) -> None:
         kept = set(members)
         for member in family.runtime_members():
             if member not in kept:
-                family.remove_member(member, notify=False)
+                family.remove_member(member, notify=False, quiet=True)
         before.providers.restore(family.restore_members(members))
     with REGISTRY_LOCK:
         for provider in container.all_providers():

@@ -283,6 +283,7 @@ _BASE = {"num_heads": 4, "head_size": 64, "scale": 0.125}
         ("scale", {"scale": "0.125"}),
         ("scale", {"scale": float("nan")}),
         ("scale", {"scale": float("inf")}),
+        ("scale", {"scale": 1e39}),
         ("sliding_window", {"sliding_window": 2.5}),
         ("sliding_window", {"sliding_window": True}),
         ("sliding_window", {"sliding_window": 0}),
@@ -297,6 +298,7 @@ _BASE = {"num_heads": 4, "head_size": 64, "scale": 0.125}
         ("alibi_slopes", {"alibi_slopes": torch.ones(4, 1)}),
         ("alibi_slopes", {"alibi_slopes": [1.0, None, 3.0, 4.0]}),
         ("alibi_slopes", {"alibi_slopes": [1.0, float("nan"), 3.0, 4.0]}),
+        ("alibi_slopes", {"alibi_slopes": torch.full((4,), 1e39, dtype=torch.float64)}),
         ("sinks", {"sinks": [0.0] * 3}),
         ("sinks", {"sinks": torch.zeros(4, 1)}),
         ("sinks", {"sinks": ["a"] * 4}),
@@ -802,3 +804,28 @@ def test_builder_refuses_a_device_torch_does_not_know(device: object) -> None:
     with pytest.raises(InvalidInputError, match=r"device: .* is not a torch device") as info:
         AttentionMetadataBuilder(16, device=device)  # type: ignore[arg-type]
     assert info.value.hint
+
+
+def test_an_output_in_the_caches_memory_is_refused_before_the_cache_is_written(
+    backend_cls: type[AttentionBackend], opts: Options, batch: Batch
+) -> None:
+    """``output=`` a view of the very cache the call writes is refused naming output, also
+    after a call of the same shape and strides with a buffer of its own passed its checks."""
+    impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+    args = (None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+    impl.forward(*args, output=torch.empty(4, 4 * 64))
+    before = batch.kv_cache.clone()
+    inside = batch.kv_cache.view(-1)[: 4 * 4 * 64].view(4, 4 * 64)
+
+    with pytest.raises(InvalidInputError, match=r"output: lies in the memory of kv_cache"):
+        impl.forward(*args, output=inside)
+    assert not differs(batch.kv_cache, before).any()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch build without CUDA")
+def test_builder_on_a_device_this_torch_lacks_is_a_typed_error_at_build() -> None:
+    """``device="cuda"`` is a torch device, so the builder is made; in a CPU build of torch
+    its first build() is an InvalidInputError naming device (torch raised AssertionError)."""
+    builder = AttentionMetadataBuilder(16, device="cuda")
+    with pytest.raises(InvalidInputError, match=r"device: torch cannot make tensors on 'cuda'"):
+        builder.build(query_lens=[1], seq_lens=[1], block_table=[[0]])

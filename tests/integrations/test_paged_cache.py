@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -482,6 +483,44 @@ def test_a_failed_first_step_of_a_second_model_object_is_rolled_back(
         torch.testing.assert_close(
             _logits(second, cache, index), expected[index], atol=1e-4, rtol=1e-4
         )
+
+
+@pytest.mark.parametrize("make_copy", [copy.deepcopy, copy.copy], ids=["deepcopy", "copy"])
+def test_a_copied_cache_holds_the_hook_path_and_rolls_back(
+    make_copy: Callable[[PagedCache], PagedCache],
+) -> None:
+    """A copy of a stepped cache (transformers' prompt-reuse pattern: deepcopy a prefilled
+    cache) holds torch's hook path once the original is garbage, so a failed first step of a
+    second model object on the copy is rolled back and its retry gives eager's logits."""
+    from attn_di.integrations.transformers import _scope
+
+    model = tiny_llama("attn_di:CPU_ATTN")
+    second = transformers.LlamaForCausalLM(model.config).eval()
+    second.load_state_dict(model.state_dict())
+    second.set_attn_implementation("attn_di:CPU_ATTN")
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    reference = transformers.DynamicCache()
+    expected = [_logits(eager, reference, index) for index in range(3)]
+    gc.collect()
+    held = _scope._hook_path[0]
+    original = PagedCache(model.config, block_size=2, fill_value=float("nan"))
+    for index in (0, 1):
+        _logits(model, original, index)
+    cache = make_copy(original)
+    del original
+    gc.collect()
+    assert _scope._hook_path[0] == held + 1
+    before = (cache.seq_lens, cache.get_seq_length(), cache.block_tables)
+    handle = _where(second, "mlp of the last layer", RuntimeError("an MLP fails"))
+    with pytest.raises(RuntimeError, match="an MLP fails"):
+        _logits(second, cache, 2)
+    handle.remove()
+    assert (cache.seq_lens, cache.get_seq_length(), cache.block_tables) == before
+    torch.testing.assert_close(_logits(second, cache, 2), expected[2], atol=1e-4, rtol=1e-4)
+    del cache
+    gc.collect()
+    assert _scope._hook_path[0] == held
 
 
 def test_a_cache_in_a_step_in_another_thread_is_refused() -> None:

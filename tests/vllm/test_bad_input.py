@@ -92,4 +92,5 @@ def test_the_bridge_without_vllm() -> None:
     assert "AttnDIError" in result.stdout
     assert "ImportError" in result.stdout
     assert "attn_di.integrations.vllm needs the optional dependency 'vllm'" in result.stdout
-    assert "Hint: install vLLM (0.32 or later) in an environment of its own" in result.stdout
+    assert "Hint: vLLM (0.32 or later) goes in an environment of its own" in result.stdout
+    assert "docs/guides/vllm.md" in result.stdout

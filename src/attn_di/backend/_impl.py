@@ -80,6 +80,12 @@ def _finite_real(argument: str, value: object, example: str) -> float:
         )
     if not math.isfinite(number):
         raise InvalidInputError(argument, f"must be finite, got {number}", hint=f"e.g. {example}")
+    if abs(number) > _FLOAT32_MAX:
+        raise InvalidInputError(
+            argument,
+            f"{number} is beyond float32's range (±{_FLOAT32_MAX:.8g}), in which it is applied",
+            hint=f"e.g. {example}",
+        )
     return number
 
 
@@ -149,11 +155,13 @@ def _head_vector(argument: str, value: object, num_heads: int, *, finite: bool) 
     if not isinstance(value, torch.Tensor):
         tensor = tensor.to(torch.float32)
     values = tensor.detach().double()
-    bad = ~torch.isfinite(values) if finite else torch.isnan(values) | (values == math.inf)
+    applied = values.to(torch.float32)  # the backends apply them in float32
+    bad = ~torch.isfinite(applied) if finite else torch.isnan(applied) | (applied == math.inf)
     if bool(bad.any()):
         raise InvalidInputError(
             argument,
-            f"holds {'non-finite' if finite else 'NaN or +inf'} values {values.tolist()}",
+            f"holds {'non-finite' if finite else 'NaN or +inf'} values in float32 (in which "
+            f"they are applied): {values.tolist()}",
             hint=hint,
         )
     return tensor

@@ -145,8 +145,9 @@ class AttentionMetadataBuilder:
         Raises:
             InvalidInputError: lengths or block numbers that are not integers (``[1.5]``),
                 lengths of different counts, a negative length, a query longer than its
-                sequence, a block table too short for ``seq_lens``, or a negative block
-                number among those ``seq_lens`` use.
+                sequence, a block table too short for ``seq_lens``, a negative block
+                number among those ``seq_lens`` use, or a ``device`` this torch build
+                cannot make tensors on (``"cuda"`` in a CPU build).
         """
         import torch
 
@@ -224,13 +225,29 @@ class AttentionMetadataBuilder:
         else:
             blocks = table.long()[seq_of_token, positions // self.block_size]
             slot_mapping = blocks * self.block_size + positions % self.block_size
+        try:
+            on_device = [
+                t.to(self.device)
+                for t in (
+                    query_start_loc.to(torch.int32),
+                    s_lens.to(torch.int32),
+                    table,
+                    slot_mapping,
+                )
+            ]
+        except (RuntimeError, AssertionError, ImportError) as exc:  # e.g. no CUDA in this torch
+            raise InvalidInputError(
+                "device",
+                f"torch cannot make tensors on {self.device!r} here: {exc}",
+                hint="use a device this torch build has, e.g. device='cpu'",
+            ) from exc
         return AttentionMetadata(
             num_actual_tokens=num_tokens,
             max_query_len=int(q_lens.max()) if num_seqs else 0,
-            query_start_loc=query_start_loc.to(torch.int32).to(self.device),
+            query_start_loc=on_device[0],
             max_seq_len=int(s_lens.max()) if num_seqs else 0,
-            seq_lens=s_lens.to(torch.int32).to(self.device),
-            block_table=table.to(self.device),
-            slot_mapping=slot_mapping.to(self.device),
+            seq_lens=on_device[1],
+            block_table=on_device[2],
+            slot_mapping=on_device[3],
             causal=causal,
         )

@@ -38,6 +38,7 @@ __all__ = [
     "alibi_bias",
     "cache_rows",
     "check_inputs",
+    "may_share_memory",
     "new_output",
     "non_overlapping",
     "uses_cache",
@@ -51,7 +52,10 @@ SCORE_BUDGET = 1 << 24
 def non_overlapping(tensor: torch.Tensor) -> bool:
     """Whether no two elements of ``tensor`` can share memory: with its axes of size > 1
     sorted by stride, each stride is at least the span of the smaller ones (true of every
-    permuted or sliced view of a dense buffer; a stride of 0 or interleaved axes fail)."""
+    permuted or sliced view of a dense buffer, and of an empty tensor; a stride of 0 or
+    interleaved axes fail)."""
+    if tensor.numel() == 0:
+        return True
     pairs = zip(tensor.stride(), tensor.shape, strict=True)
     axes = sorted((stride, size) for stride, size in pairs if size > 1)
     span = 1  # elements covered by the axes so far
@@ -60,6 +64,25 @@ def non_overlapping(tensor: torch.Tensor) -> bool:
             return False
         span += stride * (size - 1)
     return True
+
+
+def _address_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """``[first, last)`` bytes of memory ``tensor``'s elements may lie in (empty for none)."""
+    if tensor.numel() == 0:
+        return 0, 0
+    span = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    first = tensor.data_ptr()
+    return first, first + (span + 1) * tensor.element_size()
+
+
+def may_share_memory(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether the memory ranges of two tensors' elements intersect (a conservative test:
+    interleaved views of one buffer count as sharing)."""
+    a0, a1 = _address_range(first)
+    b0, b1 = _address_range(second)
+    return a0 < b1 and b0 < a1
 
 
 def uses_cache(impl: AttentionImpl) -> bool:
@@ -92,6 +115,8 @@ def check_inputs(
             grad, or a view of one, in grad mode).
     """
     signature = _signature(query, key, value, kv_cache, output)
+    if signature is not None and output is not None and uses_cache(impl):
+        _check_output_apart_from_cache(output, kv_cache)  # addresses: not in the signature
     if signature is not None and signature in _checked_signatures(impl):
         num_tokens = signature[0]
         try:
@@ -148,6 +173,16 @@ def _signature(
     )
     facts = (shapes, kinds, kv_cache.stride(), out, torch.is_grad_enabled())
     return (int(query.shape[0]) if query.dim() else 0), facts
+
+
+def _check_output_apart_from_cache(output: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """An ``output=`` buffer may not lie in the cache's memory (the call writes both)."""
+    if may_share_memory(output, kv_cache):
+        raise InvalidInputError(
+            "output",
+            "lies in the memory of kv_cache, which the call writes too",
+            hint="pass a buffer of its own, e.g. torch.empty(num_tokens, num_heads * head_size)",
+        )
 
 
 def _check_all(
@@ -233,6 +268,8 @@ def _check_all(
             "memory (an expanded or overlapping view)",
             hint="pass a tensor of its own, e.g. torch.empty(num_tokens, num_heads * head_size)",
         )
+    if output is not None and uses_cache(impl):
+        _check_output_apart_from_cache(output, kv_cache)
     if uses_cache(impl):
         _check_cache_autograd(kv_cache)
     _check_metadata_devices(metadata, query.device)

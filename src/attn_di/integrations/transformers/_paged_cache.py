@@ -270,6 +270,12 @@ class PagedCache(Cache):
         # any model that steps it is seen (see _scope).
         weakref.finalize(self, hold_hook_path())
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.deepcopy``, transformers' prompt-reuse pattern; ``copy.copy``; an
+        unpickled cache) holds torch's hook path as the cache it was made from does."""
+        self.__dict__.update(state)
+        weakref.finalize(self, hold_hook_path())
+
     # -- what transformers calls -----------------------------------------------------
     def update(
         self,
