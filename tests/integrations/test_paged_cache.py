@@ -335,6 +335,17 @@ def _where(model: transformers.PreTrainedModel, where: str, error: BaseException
 TOKENS = [[[9], [10]], [[11], [12]], [[13], [14]]]
 """The tokens of the decode steps after the prompt, one per row."""
 
+FAILURES = pytest.mark.parametrize(
+    ("where", "error"),
+    [
+        ("mlp of the last layer", RuntimeError("an MLP fails")),
+        ("between layers", KeyboardInterrupt()),
+        ("after the last layer", RuntimeError("a hook on lm_head fails")),
+    ],
+    ids=["mlp", "interrupt-between-layers", "after-last-layer"],
+)
+"""Where a step fails (see :func:`_where`), and with what."""
+
 
 def _step_inputs(index: int) -> dict[str, torch.Tensor]:
     """Step ``index``'s model inputs: the prompt (0), then one token per row at a time."""
@@ -351,16 +362,21 @@ def _logits(model: transformers.PreTrainedModel, cache: Any, index: int) -> torc
     return logits
 
 
+def _two_model_objects() -> tuple[Any, Any, list[torch.Tensor]]:
+    """``(model, second, expected)``: a tiny model on attn_di's CPU_ATTN, a second model object
+    with its config and weights (never called), and eager's logits of every step."""
+    model = tiny_llama("attn_di:CPU_ATTN")
+    second = transformers.LlamaForCausalLM(model.config).eval()
+    second.load_state_dict(model.state_dict())
+    second.set_attn_implementation("attn_di:CPU_ATTN")
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    reference = transformers.DynamicCache()
+    return model, second, [_logits(eager, reference, index) for index in range(len(TOKENS) + 1)]
+
+
 @pytest.mark.parametrize("step", [0, 2], ids=["prompt", "third-step"])
-@pytest.mark.parametrize(
-    ("where", "error"),
-    [
-        ("mlp of the last layer", RuntimeError("an MLP fails")),
-        ("between layers", KeyboardInterrupt()),
-        ("after the last layer", RuntimeError("a hook on lm_head fails")),
-    ],
-    ids=["mlp", "interrupt-between-layers", "after-last-layer"],
-)
+@FAILURES
 def test_a_failed_step_is_rolled_back_and_its_retry_matches_eager(
     step: int, where: str, error: BaseException
 ) -> None:
@@ -442,15 +458,7 @@ def test_the_hook_path_is_held_while_a_cache_lives() -> None:
     assert list(model._forward_hooks.values()) == [_scope._committed]
 
 
-@pytest.mark.parametrize(
-    ("where", "error"),
-    [
-        ("mlp of the last layer", RuntimeError("an MLP fails")),
-        ("between layers", KeyboardInterrupt()),
-        ("after the last layer", RuntimeError("a hook on lm_head fails")),
-    ],
-    ids=["mlp", "interrupt-between-layers", "after-last-layer"],
-)
+@FAILURES
 def test_a_failed_first_step_of_a_second_model_object_is_rolled_back(
     where: str, error: BaseException
 ) -> None:
@@ -458,14 +466,7 @@ def test_a_failed_first_step_of_a_second_model_object_is_rolled_back(
     and weights (never called before, no hooks of its own) whose first step fails anywhere:
     that step is rolled back as the first model's would be, and the retry and the step after
     it give eager's logits."""
-    model = tiny_llama("attn_di:CPU_ATTN")
-    second = transformers.LlamaForCausalLM(model.config).eval()
-    second.load_state_dict(model.state_dict())
-    second.set_attn_implementation("attn_di:CPU_ATTN")
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    reference = transformers.DynamicCache()
-    expected = [_logits(eager, reference, index) for index in range(len(TOKENS) + 1)]
+    model, second, expected = _two_model_objects()
     cache = PagedCache(model.config, block_size=2, fill_value=float("nan"))
     for index in (0, 1):
         torch.testing.assert_close(
@@ -494,14 +495,7 @@ def test_a_copied_cache_holds_the_hook_path_and_rolls_back(
     second model object on the copy is rolled back and its retry gives eager's logits."""
     from attn_di.integrations.transformers import _scope
 
-    model = tiny_llama("attn_di:CPU_ATTN")
-    second = transformers.LlamaForCausalLM(model.config).eval()
-    second.load_state_dict(model.state_dict())
-    second.set_attn_implementation("attn_di:CPU_ATTN")
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    reference = transformers.DynamicCache()
-    expected = [_logits(eager, reference, index) for index in range(3)]
+    model, second, expected = _two_model_objects()
     gc.collect()
     held = _scope._hook_path[0]
     original = PagedCache(model.config, block_size=2, fill_value=float("nan"))
