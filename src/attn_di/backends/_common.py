@@ -115,8 +115,6 @@ def check_inputs(
             grad, or a view of one, in grad mode).
     """
     signature = _signature(query, key, value, kv_cache, output)
-    if signature is not None and output is not None and uses_cache(impl):
-        _check_output_apart_from_cache(output, kv_cache)  # addresses: not in the signature
     if signature is not None and signature in _checked_signatures(impl):
         num_tokens = signature[0]
         try:
@@ -124,6 +122,8 @@ def check_inputs(
         except AttributeError:  # not AttentionMetadata-shaped: the full checks say why
             stamp = None
         if stamp is not None and _same_stamp(_remembered(metadata), stamp):
+            if output is not None and uses_cache(impl):  # addresses: not in the signature
+                _check_output_apart_from_cache(output, kv_cache)
             return
     _check_all(impl, query, key, value, kv_cache, metadata, output)
     if signature is not None:
