@@ -333,7 +333,8 @@ def test_a_window_as_long_as_every_sequence_is_no_window(q_len: int, window: int
 
 def test_an_expanded_block_table_is_read_not_copied_whole() -> None:
     """An expanded int32 block table of 2**40 columns (a view of 8 bytes) is read through
-    its strides, only the columns the sequences use: copying it whole took terabytes."""
+    its strides, only the columns the sequences use: copying it whole took terabytes; one of
+    2**40 rows is refused for its row count without being copied."""
     query, kv_cache, table, seq_lens, starts = _reference_batch(4, 40)
     expected = _op(query, kv_cache, table, seq_lens, starts, 0)
     assert int(table[0, 0]) == 1
@@ -347,3 +348,18 @@ def test_an_expanded_block_table_is_read_not_copied_whole() -> None:
         torch.testing.assert_close(got, narrow)
     strided = torch.stack([table[0], table[0]], 1).T[:1]  # int64, columns 2 apart
     torch.testing.assert_close(_op(query, kv_cache, strided, seq_lens, starts, 0), expected)
+    tall = torch.ones(1, 1, dtype=torch.int32).expand(2**40, 1)  # 2**40 rows for 1 sequence
+    with pytest.raises(RuntimeError, match=r"block_table must be \[B, max_blocks\] with B = 1"):
+        _op(query, kv_cache, tall, seq_lens, starts, 0)  # refused, not copied first
+
+
+def test_an_empty_out_of_any_strides_is_accepted() -> None:
+    """An ``out`` with no elements has none to share memory, whatever its strides (Python's
+    checks say the same): an empty batch runs and writes nothing."""
+    kv_cache = torch.zeros(2, 4, 16, 1, 64)
+    out = torch.zeros(1, 1, 64).expand(0, 2, 64)  # stride 0 on an axis of 2, but empty
+    torch.ops.attn_di.paged_attention(
+        torch.zeros(0, 2, 64), kv_cache[0], kv_cache[1], torch.zeros(0, 1, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), out, 0.125, 0, 0.0,
+    )  # fmt: skip
+    assert out.shape == (0, 2, 64)

@@ -601,8 +601,9 @@ void check_dense_cpu(const char* op, const at::Tensor& t, const char* name) {
 
 // An integer index tensor ([rows] or [rows, cols]) read as int64 with rows `stride` apart: its
 // own memory where it is int64 with contiguous rows, else a copy made here (no ATen op: a decode
-// step's calls are short) of its first `cols_needed` columns (all when negative), so that an
-// expanded table is never copied whole.
+// step's calls are short) of its first `rows_needed` rows and `cols_needed` columns (all when
+// negative), so that an expanded table is never copied whole. `rows` and `cols` stay the
+// tensor's own, for the callers' checks.
 struct Indices {
   const int64_t* data = nullptr;
   int64_t rows = 0, cols = 1, stride = 1;
@@ -610,7 +611,7 @@ struct Indices {
 };
 
 Indices index_tensor(const char* op, const at::Tensor& t, const char* name, int64_t rank,
-                     int64_t cols_needed = -1) {
+                     int64_t rows_needed = -1, int64_t cols_needed = -1) {
   check_dense_cpu(op, t, name);
   const auto type = t.scalar_type();
   TORCH_CHECK(type == at::kLong || type == at::kInt || type == at::kShort || type == at::kChar ||
@@ -628,13 +629,14 @@ Indices index_tensor(const char* op, const at::Tensor& t, const char* name, int6
     ix.stride = rank == 2 ? t.stride(0) : 1;
     return ix;
   }
+  const int64_t rows = rows_needed < 0 ? ix.rows : std::min(ix.rows, rows_needed);
   const int64_t cols = cols_needed < 0 ? ix.cols : std::min(ix.cols, cols_needed);
-  ix.copy.resize(ix.rows * cols);
+  ix.copy.resize(rows * cols);
   ix.stride = cols;
   const int64_t row_stride = t.stride(0), col_stride = rank == 2 ? t.stride(1) : 0;
   AT_DISPATCH_INTEGRAL_TYPES(type, "attn_di_indices", [&] {
     const scalar_t* src = t.const_data_ptr<scalar_t>();
-    for (int64_t i = 0; i < ix.rows; ++i)
+    for (int64_t i = 0; i < rows; ++i)
       for (int64_t j = 0; j < cols; ++j)
         ix.copy[i * cols + j] = static_cast<int64_t>(src[i * row_stride + j * col_stride]);
   });
@@ -644,8 +646,9 @@ Indices index_tensor(const char* op, const at::Tensor& t, const char* name, int6
 
 // Whether no two elements of `t` can share memory: with its axes of size > 1 sorted by stride,
 // each stride is at least the span of the smaller ones (true of every permuted or sliced view
-// of a dense buffer; at::has_internal_overlap only sees a stride of 0).
+// of a dense buffer, and of an empty tensor; at::has_internal_overlap only sees a stride of 0).
 bool non_overlapping(const at::Tensor& t) {
+  if (t.numel() == 0) return true;
   std::vector<std::pair<int64_t, int64_t>> axes;  // (stride, size)
   for (int64_t d = 0; d < t.dim(); ++d)
     if (t.size(d) > 1) axes.emplace_back(t.stride(d), t.size(d));
@@ -812,7 +815,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     cols_needed = std::max(cols_needed, len / o.block_size + (len % o.block_size != 0));
   }
   if (o.window >= longest) o.window = 0;
-  const Indices table = index_tensor(op, block_table_in, "block_table", 2, cols_needed);
+  const Indices table = index_tensor(op, block_table_in, "block_table", 2, num_seqs, cols_needed);
   TORCH_CHECK(starts.rows == num_seqs + 1, "attn_di paged_attention: query_start_loc must be [B + 1] = [",
               num_seqs + 1, "] (B = seq_lens' length), got shape ", query_start_loc_in.sizes());
   TORCH_CHECK(table.rows == num_seqs, "attn_di paged_attention: block_table must be [B, max_blocks] with B = ",
