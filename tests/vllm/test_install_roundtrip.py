@@ -185,3 +185,24 @@ def test_a_registration_made_while_installed_stays() -> None:
     assert attn_di.get_container().registration(member) == TORCH_SDPA
     assert json.loads(os.environ["ATTN_DI_REGISTRATIONS"]) == {VLLM_ONLY: TORCH_SDPA}
     assert dict(registry._ATTN_OVERRIDES) == {}
+
+
+def test_every_runtime_member_made_for_vllm_only_members_goes_on_uninstall() -> None:
+    """Four vLLM-only members used one after another while installed (four attn_di runtime
+    members, next to each other in attn_di's enum): uninstall() removes all four."""
+    before = _state()
+    bridge.install()
+    names = [
+        name for name in AttentionBackendEnum.__members__
+        if name not in attn_di.AttentionBackendEnum.__members__
+    ][:4]  # fmt: skip
+    assert len(names) == 4
+    container = attn_di.get_container()
+    for name in names:
+        with container.override(AttentionBackendEnum[name], TORCH_SDPA):
+            pass
+    assert [n for n in attn_di.AttentionBackendEnum.__members__ if n in names] == names
+
+    bridge.uninstall()
+    assert _state() == before
+    assert not set(names) & set(attn_di.AttentionBackendEnum.__members__)
