@@ -8,6 +8,8 @@
 # it into a temporary site directory of their own, so `attn-di list` shows only real plugins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "setup: .venv with torch 2.13 (CPU), attn_di and its extras, two small models' weights" \
+    "(about 1.8 GB; 1.5-2 minutes the first time, about 10 s after that)"
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
