@@ -185,6 +185,34 @@ def test_every_public_name_is_on_the_api_reference(site: Path, module: str) -> N
     assert missing == []
 
 
+def test_the_file_build_opens_from_the_file_system(tmp_path: Path) -> None:
+    """scripts/docs.sh's build (ATTN_DI_DOCS_OFFLINE=true): every local link of every page
+    names a file that exists (``page.html``, never a folder a file:// URL would list), and the
+    search index is inlined for use without a server."""
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("the docs extra is not installed: pip install -e '.[docs]'")
+    assert "ATTN_DI_DOCS_OFFLINE=true" in (ROOT / "scripts" / "docs.sh").read_text()
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "ATTN_DI_DOCS_OFFLINE": "true"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    pages = sorted(set(site.rglob("*.html")) - {site / "404.html"})  # 404: for servers only
+    assert len(pages) > 20
+    broken = []
+    for page in pages:
+        for link in re.findall(r'href="([^"#?]+)[^"]*"', page.read_text()):
+            if "://" in link or link.startswith(("mailto:", "data:")):
+                continue
+            target = (page.parent / link).resolve()
+            if not target.is_file():
+                broken.append(f"{page.relative_to(site)} -> {link}")
+    assert broken == []
+    assert (site / "search" / "search_index.js").read_text().startswith("var __index = ")
+
+
 def test_the_cli_reference_is_the_generated_help(site: Path) -> None:
     """The CLI page holds each command's --help, generated at build time."""
     page = (site / "reference" / "cli" / "index.html").read_text()
