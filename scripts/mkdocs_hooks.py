@@ -7,8 +7,9 @@ Before a page's Markdown is rendered:
   (tests/docs_plugin.py), and Material's fences take no such words; ``file:NAME`` becomes
   the block's title;
 - ``<!-- attn-di: modules PACKAGE -->`` becomes one mkdocstrings block (``::: module``) per
-  public module of the package, found in ``src/`` (so a new backend module or integration
-  subpackage, such as ``attn_di.integrations.vllm``, gets its reference without an edit);
+  public module of the package at any depth, found in ``src/`` (so a new backend module or
+  integration subpackage, such as ``attn_di.integrations.vllm`` and its ``backends``, gets
+  its reference without an edit);
 - ``<!-- attn-di: help -->`` becomes the output of ``attn-di --help`` and of each command's
   ``--help``, run now with the interpreter that runs mkdocs (generated, never pasted).
 """
@@ -46,16 +47,21 @@ def _plain_fence(match: re.Match[str]) -> str:
 
 
 def public_modules(package: str) -> list[str]:
-    """The public modules and subpackages of ``package`` (names not starting with ``_``),
-    sorted, read from the source tree without importing anything."""
+    """The public modules and subpackages of ``package`` at any depth (no name on the way
+    starting with ``_``), each package before its own modules, read from the source tree
+    without importing anything."""
     directory = SRC.joinpath(*package.split("."))
     if not directory.is_dir():
         raise FileNotFoundError(f"attn-di: modules {package}: no package at {directory}")
-    return [
-        f"{package}.{module.name}"
-        for module in sorted(pkgutil.iter_modules([str(directory)]), key=lambda m: m.name)
-        if not module.name.startswith("_")
-    ]
+    found = []
+    for module in sorted(pkgutil.iter_modules([str(directory)]), key=lambda m: m.name):
+        if module.name.startswith("_"):
+            continue
+        name = f"{package}.{module.name}"
+        found.append(name)
+        if module.ispkg:
+            found.extend(public_modules(name))
+    return found
 
 
 def _module_blocks(package: str) -> str:

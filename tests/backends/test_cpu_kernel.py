@@ -253,7 +253,7 @@ def test_kernel_is_built_for_torchs_instruction_set() -> None:
 
     assert status.isa == expected
     assert torch.ops.attn_di.isa() == expected
-    assert status.describe() == f"compiled kernel ({expected})"
+    assert status.describe() == f"compiled decode and prefill kernels ({expected})"
     assert all("march" not in flag for isa in _cpu_kernel.ISAS for flag in _cpu_kernel._flags(isa))
 
 
@@ -516,7 +516,7 @@ def test_damaged_build_without_compiler_falls_back_naming_it(
     )
 
     assert done.returncode == 0, done.stderr  # a dlopen of the truncated file: SIGBUS
-    assert done.stdout.startswith("CPU_ATTN decode: pure torch: CPU_ATTN's kernel in ")
+    assert done.stdout.startswith("CPU_ATTN runs: pure torch: CPU_ATTN's kernel in ")
     assert f"in {directory} is damaged" in done.stdout
     assert done.stderr.count("KernelUnavailableWarning") == 1
     assert f"delete {directory}" in done.stderr
@@ -734,7 +734,7 @@ def test_processes_starting_together_all_get_the_kernel(tmp_path: Path) -> None:
     ]
     results = [process.communicate(timeout=600) for process in processes]
     assert [stdout.strip() for stdout, _ in results] == [
-        f"compiled kernel ({_cpu_kernel._native_isa()})"
+        f"compiled decode and prefill kernels ({_cpu_kernel._native_isa()})"
     ] * 3, results
     stderr = "".join(err for _, err in results)
     assert stderr.count("building CPU_ATTN's kernel once") == 1, stderr

@@ -157,9 +157,9 @@ def test_run_all_json_checks_every_cpu_backend() -> None:
 @pytest.mark.parametrize(
     ("extra", "env", "path"),
     [
-        ([], {}, "compiled kernel ("),
+        ([], {}, "compiled decode and prefill kernels ("),
         ([], {"ATTN_DI_CPU_KERNEL": "0"}, "pure torch: switched off (ATTN_DI_CPU_KERNEL=0)"),
-        (["--prefill", "17"], {}, "compiled kernel ("),
+        (["--prefill", "17"], {}, "compiled decode and prefill kernels ("),
     ],
     ids=["decode", "switched-off", "prefill"],
 )
@@ -680,7 +680,8 @@ def test_example_engine_takes_threads_and_reports_the_load() -> None:
 
 
 def test_list_shows_cpu_attn_decode_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """list names CPU_ATTN's decode path: the compiled kernel, or pure torch when switched off."""
+    """list names CPU_ATTN's path: its compiled decode and prefill kernels, or pure torch when
+    switched off."""
     import warnings
 
     from attn_di.backends import _cpu_kernel
@@ -691,7 +692,7 @@ def test_list_shows_cpu_attn_decode_path(monkeypatch: pytest.MonkeyPatch) -> Non
     assert json.loads(attn_di("list", "--json").stdout)["cpu_attn_decode"] == expected
     monkeypatch.setenv("ATTN_DI_CPU_KERNEL", "0")
     table = attn_di("list")
-    assert "CPU_ATTN decode: pure torch: switched off (ATTN_DI_CPU_KERNEL=0)" in table.stdout
+    assert "CPU_ATTN runs: pure torch: switched off (ATTN_DI_CPU_KERNEL=0)" in table.stdout
 
 
 def test_threads_has_an_upper_bound() -> None:

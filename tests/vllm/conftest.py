@@ -30,7 +30,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL_FOLDER_NAME = "SmolLM2-135M-Instruct"
+#: scripts/smollm2_hf_folder.py's FOLDER_NAME: the bfloat16 folder (engines here that compare
+#: tokens ask for float32 themselves: ``engine()`` passes ``dtype="float32"``).
+MODEL_FOLDER_NAME = "SmolLM2-135M-Instruct-bf16"
 CPU_ATTN_PATH = "attn_di.integrations.vllm.backends.CPU_ATTN"
 TORCH_SDPA_PATH = "attn_di.integrations.vllm.backends.TORCH_SDPA"
 

@@ -328,6 +328,29 @@ def test_the_selector_refuses_what_attn_di_cannot_run() -> None:
         assert part in text
 
 
+class _NoHalf(TorchSDPABackend):
+    """An attn_di backend that declares float32 and bfloat16 only."""
+
+    supported_dtypes = ("float32", "bfloat16")
+
+
+def test_a_refused_dtype_is_answered_with_the_dtypes_the_backend_declares() -> None:
+    """The hint lists the refusing backend's own dtypes (never one it refuses)."""
+    container = attn_di.get_container()
+    with (
+        set_current_vllm_config(VllmConfig()),
+        container.override(AttentionBackendEnum.CPU_ATTN, _NoHalf),
+        pytest.raises(BackendRejectedError) as caught,
+    ):
+        get_attn_backend(64, torch.float16, None)
+    assert caught.value.reasons == ["dtype not supported"]
+    assert caught.value.hint is not None
+    assert caught.value.hint.startswith(
+        "use dtype='float32' or 'bfloat16' (what TORCH_SDPA declares); or let vLLM use"
+    )
+    assert "float16'" not in caught.value.hint.replace("bfloat16'", "")
+
+
 def test_the_selector_follows_overrides_after_caching() -> None:
     """vLLM's selector caches its answers; an override entered later is still seen, an
     attn_di-interface class comes back as a vLLM backend running it, and after the block

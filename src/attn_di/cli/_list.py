@@ -106,7 +106,7 @@ def run_list(args: argparse.Namespace) -> int:
     if not wide:
         print(f"({VLLM_PREFIX_SHOWN} = {VLLM_PREFIX}; whole paths and errors: attn-di list --wide)")
     if cpu_attn_decode:
-        print(f"CPU_ATTN decode: {cpu_attn_decode}")
+        print(f"CPU_ATTN runs: {cpu_attn_decode}")
     shown = [plugin for plugin in plugins if plugin["status"] != "skipped"]
     if len(shown) < len(plugins):
         print(f"{len(plugins) - len(shown)} installed plugin(s) not loaded: not in ATTN_DI_PLUGINS")
@@ -131,7 +131,8 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def describe_cpu_attn_decode() -> str | None:
-    """Which path attn_di's CPU_ATTN decodes with here (its compiled kernel or pure torch).
+    """Which path attn_di's CPU_ATTN runs here (its compiled decode and prefill kernels, or
+    pure torch).
 
     None when torch is not installed. Loads (or builds) the kernel; a failure is described
     here rather than warned about.

@@ -205,7 +205,16 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``attn-di``; returns the exit code (0 ok, 1 failed check / no backend, 2 bad input)."""
+    """Run ``attn-di`` (the console script and ``python -m attn_di`` call this).
+
+    Args:
+        argv: the arguments after the command's name (``["list", "--wide"]``); None reads
+            ``sys.argv[1:]``.
+
+    Returns:
+        The exit code: 0 ok, 1 a failed check or no backend, 2 bad input (printed as one
+        line and a hint, never a traceback).
+    """
     args = _parse(argv)
     try:
         code = _dispatch(args)

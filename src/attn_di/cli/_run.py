@@ -438,8 +438,8 @@ def _run_one(
 def _cpu_attn_path(impl: Any) -> str | None:
     """Which of CPU_ATTN's paths ran this batch (None for other backends' impls).
 
-    ``compiled kernel (<isa>)`` or ``pure torch: <reason>``, as ``attn-di list`` words it;
-    the compiled kernels take every batch (decode, prefill, mixed) when loaded.
+    ``compiled decode and prefill kernels (<isa>)`` or ``pure torch: <reason>``, as ``attn-di
+    list`` words it; the kernels take every batch (decode, prefill, mixed) when loaded.
     """
     from attn_di.backends import cpu_attn
 

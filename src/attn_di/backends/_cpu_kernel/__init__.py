@@ -1,4 +1,4 @@
-"""CPU_ATTN's compiled kernels: build, load and report.
+"""CPU_ATTN's compiled decode and prefill kernels: build, load and report.
 
 The kernels are C++ against torch's own headers (``paged_attention.cpp``: the operator, its
 argument checks and the decode kernel; ``prefill.cpp``: the prefill kernel on ATen's
@@ -94,7 +94,7 @@ class KernelStatus:
     """Which path CPU_ATTN's decode takes in this process, and why.
 
     Attributes:
-        active: whether the compiled kernel is loaded and used.
+        active: whether the compiled decode and prefill kernels are loaded and used.
         isa: the instruction set the kernel was built for (``avx512``, ``avx2``,
             ``default``), or None when inactive.
         reason: one line: where the library came from, or why it is not used.
@@ -107,9 +107,10 @@ class KernelStatus:
     library: str | None = None
 
     def describe(self) -> str:
-        """One line for people: ``compiled kernel (avx512)`` or ``pure torch: <reason>``."""
+        """One line for people: ``compiled decode and prefill kernels (avx512)`` or ``pure
+        torch: <reason>``."""
         if self.active:
-            return f"compiled kernel ({self.isa})"
+            return f"compiled decode and prefill kernels ({self.isa})"
         return f"pure torch: {self.reason}"
 
 

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             if exc.hint:
                 print(f"hint: {exc.hint}", file=sys.stderr)
             return 2
-        print(f"CPU_ATTN decode: {status.describe()}")
+        print(f"CPU_ATTN runs: {status.describe()}")
         return 0
     start = time.perf_counter()
     try:

@@ -253,10 +253,10 @@ def rejected(
         config,
         str(current_platform.device_name),
     )
-    fixes = [_FIXES[reason] for reason in reasons if reason in _FIXES]
+    fixes = [_fix(reason, backend_cls.attn_di_backend()) for reason in reasons]
     error.hint = "; ".join(
         [
-            *fixes,
+            *filter(None, fixes),
             f"or let vLLM use its own backend: AttentionBackendEnum.{name}.clear_override() "
             "(and unset ATTN_DI_REGISTRATIONS for new processes)",
         ]
@@ -266,11 +266,22 @@ def rejected(
 
 _FIXES = {
     "kv_cache_dtype not supported": "use kv_cache_dtype='auto' (the model dtype)",
-    "dtype not supported": "use dtype='float32', 'bfloat16' or 'float16'",
     "head_size not supported": "use a model whose head size the backend supports",
     "block_size not supported": "use a block_size the backend supports",
     "attention sinks not supported": "register attn_di's CPU_ATTN or TORCH_SDPA, which run sinks",
 }
+
+
+def _fix(reason: str, backend: Any) -> str:
+    """What to change for one of vLLM's reason strings, from what ``backend`` (the attn_di
+    backend that refused) declares; "" where there is nothing to suggest but the fallback."""
+    if reason == "dtype not supported":
+        from attn_di.backend import dtype_name
+
+        names = [repr(dtype_name(dtype)) for dtype in backend.supported_dtypes]
+        listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+        return f"use dtype={listed} (what {backend.get_name()} declares)"
+    return _FIXES.get(reason, "")
 
 
 def check_engine_config(vllm_config: Any) -> None:

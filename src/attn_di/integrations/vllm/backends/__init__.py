@@ -38,7 +38,8 @@ CPU_ATTN = _named(
     "CPU_ATTN",
     "CPU_ATTN",
     doc="vLLM backend running the attn_di backend CPU_ATTN resolves to (attn_di's "
-    "CPUAttentionBackend by default: a compiled decode kernel, pure torch elsewhere).",
+    "CPUAttentionBackend by default: its compiled decode and prefill kernels, pure torch "
+    "where they are not built).",
     module=__name__,
 )
 TORCH_SDPA = _named(
