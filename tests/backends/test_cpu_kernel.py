@@ -369,7 +369,9 @@ def test_switch_refuses_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
     assert caught.value.argument == "ATTN_DI_CPU_KERNEL"
     assert (
-        caught.value.hint == "set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch)"
+        caught.value.hint
+        == "set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch), "
+        "or unset it for the default"
     )
 
 
@@ -621,7 +623,8 @@ def test_status_command_reports_a_bad_switch_in_one_line(monkeypatch: pytest.Mon
         "python -m attn_di.backends._cpu_kernel: error: ATTN_DI_CPU_KERNEL: is 'fast', not one of"
     )
     assert lines[1:] == [
-        "hint: set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch)"
+        "hint: set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch), or unset "
+        "it for the default"
     ]
 
 

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from attn_di.exceptions import InvalidInputError, KernelUnavailableWarning
+from attn_di._env import Switch
+from attn_di.exceptions import KernelUnavailableWarning
 
 try:
     import fcntl
@@ -61,6 +62,7 @@ except ImportError:  # pragma: no cover - Windows: builds are still published at
 __all__ = [
     "ENV_SWITCH",
     "ISAS",
+    "KERNEL_SWITCH",
     "KernelStatus",
     "build",
     "cache_root",
@@ -75,6 +77,7 @@ logger = logging.getLogger("attn_di.backends")
 #: ``0`` / ``off`` / ``false`` / ``no``: CPU_ATTN uses its pure-torch path; ``1`` / ``on`` /
 #: ``true`` / ``yes`` / unset: the kernel (any case); anything else is an error.
 ENV_SWITCH = "ATTN_DI_CPU_KERNEL"
+KERNEL_SWITCH = Switch(ENV_SWITCH, default=True, on="use the compiled kernel", off="pure torch")
 #: Where builds go (default ``$XDG_CACHE_HOME/attn_di/kernels``, else ``~/.cache/...``).
 ENV_CACHE = "ATTN_DI_KERNEL_CACHE"
 
@@ -82,7 +85,6 @@ _DIRECTORY = Path(__file__).parent
 #: The kernel library's sources: the op, its checks and the decode kernel; the prefill kernel;
 #: what they share. A change to any of them rebuilds.
 _SOURCES = tuple(_DIRECTORY / name for name in ("paged_attention.cpp", "prefill.cpp", "kernel.h"))
-_OFF, _ON = ("0", "off", "false", "no"), ("", "1", "on", "true", "yes")
 _COMMON_FLAGS = ("-O3", "-fopenmp")
 # Flags per torch CPU capability, as torch compiles its own kernels for each (x86-64 only).
 _ISA_FLAGS: dict[str, tuple[str, ...]] = {
@@ -133,7 +135,8 @@ def kernel_status() -> KernelStatus:
     the same status without warning again.
 
     Raises:
-        InvalidInputError: ``ATTN_DI_CPU_KERNEL`` holds something other than on/off.
+        EnvSwitchError: ``ATTN_DI_CPU_KERNEL`` holds something other than on/off (an
+            ``InvalidInputError``).
     """
     global _STATUS, _OP, _WRITE_OP
     if _STATUS is not None:
@@ -141,17 +144,10 @@ def kernel_status() -> KernelStatus:
     with _LOCK:
         if _STATUS is not None:
             return _STATUS
-        switch = os.environ.get(ENV_SWITCH, "").strip().lower()
-        if switch in _OFF:
-            _STATUS = KernelStatus(False, None, f"switched off ({ENV_SWITCH}={switch})")
+        if not KERNEL_SWITCH.read():
+            spelled = KERNEL_SWITCH.spelling()
+            _STATUS = KernelStatus(False, None, f"switched off ({ENV_SWITCH}={spelled})")
             return _STATUS
-        if switch not in _ON:
-            raise InvalidInputError(
-                ENV_SWITCH,
-                f"is {os.environ[ENV_SWITCH]!r}, not one of {', '.join(v for v in _ON if v)} "
-                f"(the kernel) or {', '.join(_OFF)} (pure torch)",
-                hint=f"set {ENV_SWITCH}=1 (use the compiled kernel) or 0 (pure torch)",
-            )
         try:
             library, isa = _load()
             import torch
