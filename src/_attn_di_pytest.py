@@ -2,7 +2,8 @@
 every session of the environment, or its stand-in when attn_di refuses to start.
 
 ``import attn_di`` applies an inherited ``ATTN_DI_REGISTRATIONS`` and refuses a malformed one
-(``RegistrationsEnvError``). Raised while pytest loads its plugins, that would abort every
+(``RegistrationsEnvError``), as it refuses an ``ATTN_DI_AUTO_PROPAGATE`` that is neither on nor
+off (``EnvSwitchError``). Raised while pytest loads its plugins, that would abort every
 test suite of the environment, those that never use attn_di too. So this module, outside the
 ``attn_di`` package, imports the plugin and, if attn_di refuses to start, stands in for it:
 the marker is registered as usual, and the tests that use attn_di's fixtures or marker fail
@@ -27,10 +28,17 @@ try:
         pytest_configure,
     )
 except ValueError as _error:
-    # attn_di.exceptions was imported before the package's __init__ refused the variable.
-    _refused = getattr(sys.modules.get("attn_di.exceptions"), "RegistrationsEnvError", None)
-    if _refused is None or not isinstance(_error, _refused):
+    # attn_di.exceptions was imported before the package's __init__ refused a variable
+    # (RegistrationsEnvError, or EnvSwitchError for ATTN_DI_AUTO_PROPAGATE).
+    _exceptions = sys.modules.get("attn_di.exceptions")
+    _refused = tuple(
+        getattr(_exceptions, name)
+        for name in ("RegistrationsEnvError", "EnvSwitchError")
+        if hasattr(_exceptions, name)
+    )
+    if not _refused or not isinstance(_error, _refused):
         raise
+    del _exceptions
     _MESSAGE = f"attn_di's pytest fixtures cannot start: {_error}"
     del _error, _refused
 

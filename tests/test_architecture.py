@@ -14,6 +14,7 @@ DOC = PACKAGE.parents[1] / "docs" / "architecture.md"
 # Bottom first: a module may import, at run time, only modules listed before it.
 LAYERS = [
     "exceptions",
+    "_env",
     "_state",
     "_paths",
     "_device",

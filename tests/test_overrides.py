@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from dependency_injector import providers
+from dependency_injector import containers, providers
 
 from attn_di import (
     AttentionBackendEnum,
@@ -205,6 +208,80 @@ def test_container_override_as_a_block_restores(container: BackendContainer) -> 
         assert TRITON in container.active_overrides()  # every same-named provider is
         assert container.get_path(TRITON) == f"{__name__}.FakeA"
     assert container.backend(TRITON) is FakeB
+    assert container.active_overrides() == []
+
+
+@pytest.fixture(name="wired")
+def _wired(container: BackendContainer) -> Iterator[BackendContainer]:
+    """The test's container wired to this module (wiring adds its ``__self__`` provider)."""
+    container.wire(modules=[sys.modules[__name__]])
+    try:
+        yield container
+    finally:
+        container.unwire()
+
+
+def _overriding_container(kind: str) -> Any:
+    """A container overriding TRITON_ATTN with FakeA: a whole BackendContainer, or a
+    dependency-injector container holding that one provider."""
+    if kind == "backend-container":
+        other = BackendContainer()
+        other.TRITON_ATTN.override(providers.Object(FakeA))
+        return other
+    other = containers.DynamicContainer()
+    other.TRITON_ATTN = providers.Object(FakeA)
+    return other
+
+
+@pytest.mark.parametrize("kind", ["backend-container", "one-provider"])
+@pytest.mark.parametrize("ending", ["normally", "with-an-exception"])
+def test_a_container_override_of_a_wired_container_undoes_exactly_itself(
+    wired: BackendContainer, kind: str, ending: str
+) -> None:
+    """``with wired.override(other_container):`` on a wired container restores at the exit,
+    normally or with an exception from the body, which propagates as it was: the exit raised
+    dependency-injector's "Provider Self(...) is not overridden" (it walked the ``__self__``
+    provider wire() adds, and every provider the other container lacks), replacing the
+    body's exception and leaving the handle active."""
+    register_backend(TRITON, FakeB)
+    self_overrides = wired.providers["__self__"].overridden
+    other = _overriding_container(kind)
+
+    with contextlib.ExitStack() as stack:
+        if ending == "with-an-exception":
+            stack.enter_context(pytest.raises(KeyError, match="from the body"))
+        handle = stack.enter_context(wired.override(other))
+        assert wired.backend(TRITON) is FakeA
+        if ending == "with-an-exception":
+            raise KeyError("from the body")
+
+    assert not handle.active
+    assert wired.backend(TRITON) is FakeB
+    assert wired.overridden == ()
+    assert wired.active_overrides() == []
+    assert wired.providers["__self__"].overridden == self_overrides
+    assert all(not provider.overridden for provider in wired.mamba.providers.values())
+    handle.restore()  # a second restore does nothing
+    assert wired.backend(TRITON) is FakeB
+
+
+def test_a_restore_that_cannot_happen_never_hides_the_bodys_exception(
+    container: BackendContainer,
+) -> None:
+    """A container override that cannot be restored at the exit (a provider overridden again
+    inside the block) lets the body's exception through, with a note; nothing changes."""
+    other = _overriding_container("one-provider")
+    with (  # noqa: PT012
+        pytest.raises(KeyError, match="from the body") as info,
+        container.override(other) as handle,
+    ):
+        container.TRITON_ATTN.override(providers.Object(FakeB))
+        raise KeyError("from the body")
+    assert any("was not restored" in note for note in info.value.__notes__)
+    assert handle.active
+    assert container.backend(TRITON) is FakeB
+    container.TRITON_ATTN.reset_last_overriding()
+    handle.restore()
     assert container.active_overrides() == []
 
 

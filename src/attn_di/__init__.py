@@ -77,6 +77,7 @@ from attn_di._overrides import BackendOverride
 from attn_di._propagation import (
     apply_inherited_registrations as _apply_inherited_registrations,
 )
+from attn_di._propagation import read_auto_switch as _read_auto_switch
 from attn_di._propagation import set_auto_propagation
 from attn_di._provider import BackendProvider
 from attn_di.exceptions import (
@@ -92,6 +93,7 @@ from attn_di.exceptions import (
     UnexportableBackendError,
     UnknownBackendError,
 )
+from attn_di.exceptions import EnvSwitchError as _EnvSwitchError
 
 if TYPE_CHECKING:
     from attn_di._plugins import PluginRecord, PluginReport, load_plugins, plugin_report
@@ -151,11 +153,12 @@ for _exported in (
     _exported.__module__ = "attn_di"
 del _exported
 
-if _os.environ.get("ATTN_DI_REGISTRATIONS") is not None:  # a worker process: apply the parent's
-    try:
+try:
+    _read_auto_switch()  # ATTN_DI_AUTO_PROPAGATE
+    if _os.environ.get("ATTN_DI_REGISTRATIONS") is not None:  # a worker: apply the parent's
         _apply_inherited_registrations()
-    except RegistrationsEnvError as _error:  # the attn-di command: one line, not a traceback
-        from attn_di.cli._output import exit_if_command
+except (RegistrationsEnvError, _EnvSwitchError) as _error:  # attn-di: one line, no traceback
+    from attn_di.cli._output import exit_if_command
 
-        exit_if_command(_error, _error.hint)
-        raise
+    exit_if_command(_error, _error.hint)
+    raise

@@ -94,14 +94,18 @@ class ContainerOverride:
     """dependency-injector's container override (``container.override(other_container)``),
     applied at once; :meth:`restore` (or the ``with`` exit) undoes it.
 
-    dependency-injector keeps container overrides on one stack and can only pop its top, so
-    these must be restored innermost first; restoring another one first raises.
+    Exactly the providers it overrode are restored: dependency-injector's own
+    ``reset_last_overriding()`` walks every provider of the container, and raised on the first
+    one the override had not touched (the ``__self__`` provider ``wire()`` adds, or any
+    provider the other container lacks). dependency-injector keeps container overrides on
+    one stack and can only pop its top, so these must be restored innermost first; restoring
+    another one first raises.
     """
 
     def __init__(self, container: Any, overriding: Any) -> None:
         self._container = container
         self.overriding = overriding
-        containers.DynamicContainer.override(container, overriding)
+        self._touched = _override_container(container, overriding)
         self._active = True
 
     @property
@@ -114,19 +118,31 @@ class ContainerOverride:
 
         Raises:
             InvalidBackendTypeError: another container override was applied later and is still
-                active (dependency-injector cannot remove one from the middle).
+                active, or a provider was overridden again inside the block and that override
+                is still in place (dependency-injector cannot remove one from the middle of a
+                stack). Nothing changes then.
         """
         if not self._active:
             return
         stack = self._container.overridden
-        if not stack or stack[-1] is not self.overriding:
+        buried = [
+            provider
+            for provider, ours in self._touched
+            if provider.overridden and provider.overridden[-1] is not ours
+            and any(entry is ours for entry in provider.overridden)
+        ]  # fmt: skip
+        if not stack or stack[-1] is not self.overriding or buried:
             raise InvalidBackendTypeError(
                 "restore order",
                 self.overriding,
                 "the innermost container override",
-                hint="restore dependency-injector container overrides innermost first",
+                hint="restore dependency-injector container overrides innermost first, and "
+                "provider overrides made inside the block before it ends",
             )
-        self._container.reset_last_overriding()
+        for provider, ours in reversed(self._touched):
+            if provider.overridden and provider.overridden[-1] is ours:
+                provider.reset_last_overriding()
+        self._container.overridden = stack[:-1]
         self._active = False
 
     def __enter__(self) -> Self:
@@ -138,7 +154,39 @@ class ContainerOverride:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.restore()
+        if exc is None:
+            self.restore()
+            return
+        try:
+            self.restore()
+        except Exception as error:  # never replace the body's exception
+            exc.add_note(f"attn_di: the container override was not restored: {error}")
+
+
+def _override_container(container: Any, overriding: Any) -> list[tuple[Any, Any]]:
+    """dependency-injector's ``container.override(overriding)``; returns ``[(provider, the
+    provider overriding it)]`` for each provider it overrode. If it raises midway, what it
+    did is undone first (nothing changes)."""
+    before = {name: len(provider.overridden) for name, provider in container.providers.items()}
+    try:
+        containers.DynamicContainer.override(container, overriding)
+    except BaseException:
+        _undo(container, before)
+        if container.overridden and container.overridden[-1] is overriding:
+            container.overridden = container.overridden[:-1]
+        raise
+    touched = []
+    for name, provider in container.providers.items():
+        if len(provider.overridden) > before.get(name, 0):
+            touched.append((provider, provider.overridden[-1]))
+    return touched
+
+
+def _undo(container: Any, before: Mapping[str, int]) -> None:
+    """Pop the overrides pushed on ``container``'s providers since ``before`` (their depths)."""
+    for name, provider in reversed(list(container.providers.items())):
+        while len(provider.overridden) > before.get(name, 0):
+            provider.reset_last_overriding()
 
 
 def override_target(impl: object, *, local: bool) -> Target:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from attn_di._container import BackendContainer, warn_unexportable
 from attn_di._default import get_container
+from attn_di._env import Switch
 from attn_di._state import DEFAULT, REGISTRY_LOCK, on_registrations_changed, user_stacklevel
 from attn_di.exceptions import (
     AttnDIError,
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUTO_ENV",
+    "AUTO_SWITCH",
     "PLUGINS_ENV",
     "REGISTRATIONS_ENV",
     "PropagatedRegistrations",
@@ -69,6 +71,7 @@ __all__ = [
     "auto_propagation_enabled",
     "propagate_registrations",
     "ray_runtime_env",
+    "read_auto_switch",
     "set_auto_propagation",
     "swap_auto_propagation",
 ]
@@ -81,9 +84,26 @@ PLUGINS_ENV = "ATTN_DI_PLUGINS"
 
 AUTO_ENV = "ATTN_DI_AUTO_PROPAGATE"
 """Read at ``import attn_di``: ``0``, ``false``, ``off`` or ``no`` turn automatic propagation
-off."""
+off (any case); anything but an on/off spelling makes the import refuse it."""
+AUTO_SWITCH = Switch(
+    AUTO_ENV,
+    default=True,
+    on="propagate every registration",
+    off="only propagate_registrations() does",
+)
 
-_auto = [os.environ.get(AUTO_ENV, "1").strip().lower() not in ("0", "false", "off", "no")]
+_auto = [True]
+
+
+def read_auto_switch() -> None:
+    """Set automatic propagation from ``ATTN_DI_AUTO_PROPAGATE`` (``import attn_di`` does).
+
+    Raises:
+        EnvSwitchError: the variable holds something other than on/off.
+    """
+    _auto[0] = AUTO_SWITCH.read()
+
+
 AUTO_LIMIT = 100_000
 """The largest snapshot (in bytes) automatic propagation writes: Linux refuses to start a
 process whose environment holds a variable over 128 KiB."""

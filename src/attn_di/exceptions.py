@@ -16,6 +16,7 @@ already catch, so ``except ValueError`` keeps working where vLLM raised one::
     ├── BackendRejectedError (ValueError)               a forced backend refuses the config
     ├── UnsupportedFeatureError (NotImplementedError)   an impl asked for a feature it lacks
     ├── InvalidInputError (ValueError)                  a tensor or size that does not fit
+    │   └── EnvSwitchError                              an on/off variable that is neither
     └── MissingExtraError (ImportError)                 an optional dependency is not installed
 
     AttnDIWarning (UserWarning)
@@ -38,6 +39,7 @@ __all__ = [
     "BackendImportError",
     "BackendNotRegisteredError",
     "BackendRejectedError",
+    "EnvSwitchError",
     "InvalidBackendNameError",
     "InvalidBackendTypeError",
     "InvalidClassPathError",
@@ -545,6 +547,35 @@ class InvalidInputError(AttnDIError, ValueError):
 
     def message(self) -> str:
         return f"{self.argument}: {self.problem}"
+
+
+class EnvSwitchError(InvalidInputError):
+    """An on/off environment switch (``ATTN_DI_CPU_KERNEL``, ``ATTN_DI_FLEX_COMPILE``, ...)
+    holds something that is neither on nor off.
+
+    Attributes:
+        variable: the variable's name (also :attr:`argument`).
+        value: its value, as found.
+        on: what on means for this switch (for the hint).
+        off: what off means.
+    """
+
+    ON_SPELLINGS = ("1", "true", "yes", "on")
+    """The spellings of on (any case, spaces around them ignored)."""
+    OFF_SPELLINGS = ("0", "false", "no", "off")
+    """The spellings of off."""
+
+    def __init__(self, variable: str, value: str, on: str, off: str) -> None:
+        super().__init__(
+            variable,
+            f"is {value!r}, not one of {', '.join(self.ON_SPELLINGS)} ({on}) or "
+            f"{', '.join(self.OFF_SPELLINGS)} ({off}); any case, spaces around it ignored",
+            hint=f"set {variable}=1 ({on}) or 0 ({off}), or unset it for the default",
+        )
+        self.variable = variable
+        self.value = value
+        self.on = on
+        self.off = off
 
 
 class MissingExtraError(AttnDIError, ImportError):

@@ -10,6 +10,7 @@ sequence's block or a spare block, fails.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -319,7 +320,14 @@ def test_build_failure_falls_back_with_one_warning(
     assert status.describe().startswith("pure torch: RuntimeError: Error building extension")
 
 
-@pytest.mark.usefixtures("fresh_kernel_state")
+@pytest.fixture(name="nothing_loaded")
+def _nothing_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader sees no kernel registered in this process, as in a fresh one (for tests
+    whose cache holds no build to load: loading one beside the registered ops would abort)."""
+    monkeypatch.setattr(_cpu_kernel, "_registered", lambda: False)
+
+
+@pytest.mark.usefixtures("fresh_kernel_state", "nothing_loaded")
 def test_missing_compiler_is_named_in_the_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     """No compiler on PATH (and nothing built): the warning says so and how to fix it."""
     monkeypatch.setenv("CXX", "attn-di-no-such-compiler")
@@ -361,7 +369,9 @@ def test_switch_refuses_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
     assert caught.value.argument == "ATTN_DI_CPU_KERNEL"
     assert (
-        caught.value.hint == "set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch)"
+        caught.value.hint
+        == "set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch), "
+        "or unset it for the default"
     )
 
 
@@ -526,17 +536,14 @@ def test_damaged_build_without_compiler_falls_back_naming_it(
 @pytest.fixture(name="fake_compile")
 def _fake_compile(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Replaces the compiler with one that writes a small file; lists the libraries built."""
-    from torch.utils import cpp_extension
-
     built: list[Path] = []
 
-    def load(*, name: str, build_directory: str, **kwargs: object) -> str:
-        library = Path(build_directory) / f"{name}.so"
+    def compile_(name: str, isa: str, directory: Path, verbose: bool) -> None:
+        library = directory / f"{name}.so"
         library.write_bytes(b"rebuilt %d" % len(built))
         built.append(library)
-        return str(library)
 
-    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(_cpu_kernel, "_compile", compile_)
     monkeypatch.setenv("CXX", sys.executable)  # a compiler "on PATH"
     return built
 
@@ -575,7 +582,7 @@ def test_damaged_build_is_rebuilt_and_force_rebuilds(
     assert library.read_bytes() == b"rebuilt 1"
 
 
-@pytest.mark.usefixtures("fresh_kernel_state", "fake_compile")
+@pytest.mark.usefixtures("fresh_kernel_state", "nothing_loaded", "fake_compile")
 def test_unusable_cache_directory_is_named_in_the_hint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -616,7 +623,8 @@ def test_status_command_reports_a_bad_switch_in_one_line(monkeypatch: pytest.Mon
         "python -m attn_di.backends._cpu_kernel: error: ATTN_DI_CPU_KERNEL: is 'fast', not one of"
     )
     assert lines[1:] == [
-        "hint: set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch)"
+        "hint: set ATTN_DI_CPU_KERNEL=1 (use the compiled kernel) or 0 (pure torch), or unset "
+        "it for the default"
     ]
 
 
@@ -660,20 +668,18 @@ def test_compiled_cache_write_refuses_a_slot_outside_before_writing() -> None:
 _RACE_SCRIPT = """
 import sys, time
 from pathlib import Path
-from torch.utils import cpp_extension
 from attn_di.backends import _cpu_kernel
 
 log, go = Path(sys.argv[1]), Path(sys.argv[2])
 
-def load(*, name, build_directory, **kwargs):  # a compiler that takes a while
+def compile_(name, isa, directory, verbose):  # a compiler that takes a while
     with log.open("a") as out:
-        out.write(f"compile {build_directory}\\n")
+        out.write(f"compile {directory}\\n")
     time.sleep(1.0)
-    library = Path(build_directory) / f"{name}.so"
+    library = Path(directory) / f"{name}.so"
     library.write_bytes(b"built by %d" % len(log.read_text().splitlines()))
-    return str(library)
 
-cpp_extension.load = load
+_cpu_kernel._compile = compile_
 while not go.exists():  # start together
     time.sleep(0.01)
 print(_cpu_kernel.build("default"))
@@ -739,3 +745,167 @@ def test_processes_starting_together_all_get_the_kernel(tmp_path: Path) -> None:
     stderr = "".join(err for _, err in results)
     assert stderr.count("building CPU_ATTN's kernel once") == 1, stderr
     assert "KernelUnavailableWarning" not in stderr
+
+
+_READ_ONLY_SCRIPT = """
+import builtins, errno, io, json, os, warnings
+
+root = os.environ["ATTN_DI_KERNEL_CACHE"]
+writes = []
+
+def guard(path, writing):
+    # A read-only file system: any write under the cache root fails with EROFS (and is noted).
+    if writing and not isinstance(path, int) and os.fspath(path).startswith(root):
+        writes.append(os.fspath(path))
+        raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+
+real_open, real_os_open = io.open, os.open
+
+def fake_open(file, mode="r", *args, **kwargs):
+    guard(file, any(flag in mode for flag in "wax+"))
+    return real_open(file, mode, *args, **kwargs)
+
+def fake_os_open(path, flags, *args, **kwargs):
+    guard(path, flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC))
+    return real_os_open(path, flags, *args, **kwargs)
+
+def refusing(function):
+    def call(path, *args, **kwargs):
+        guard(path, True)
+        return function(path, *args, **kwargs)
+    return call
+
+io.open = builtins.open = fake_open
+os.open = fake_os_open
+for name in ("mkdir", "makedirs", "rename", "replace", "remove", "unlink", "rmdir"):
+    setattr(os, name, refusing(getattr(os, name)))
+
+import torch
+from attn_di.backends import _cpu_kernel
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    status = _cpu_kernel.kernel_status()
+print(json.dumps({
+    "status": status.describe(), "library": status.library, "writes": writes,
+    "warnings": [str(w.message) for w in caught], "running": torch.ops.attn_di.isa(),
+}))
+"""
+
+
+@pytest.mark.parametrize("lock_file", [True, False], ids=["with-lock-file", "without-lock-file"])
+def test_a_read_only_cache_with_a_verified_build_is_loaded_without_a_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lock_file: bool
+) -> None:
+    """A cache holding a complete, verified build on a read-only file system (a container
+    image, a read-only mount) is loaded as it is: nothing is opened for writing (loading took
+    the build lock by opening its file for appending, failed, and fell back to pure torch).
+
+    Root ignores permission bits, so ``chmod -R a-w`` alone proves nothing here: in a process
+    of its own every write under the cache (open for writing, os.open with a write flag,
+    mkdir, rename, remove) fails with EROFS, as on a read-only mount, and is recorded."""
+    directory, library = _copy_of_this_build(tmp_path, monkeypatch)
+    cache = directory.parent
+    if lock_file:
+        (cache / f"{directory.name}.lock").write_bytes(b"")
+    for path in (*cache.rglob("*"), cache):
+        path.chmod(path.stat().st_mode & ~0o222)
+    env = {**os.environ, "CXX": "attn-di-no-such-compiler"}
+    env.pop(_cpu_kernel.ENV_SWITCH, None)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _READ_ONLY_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        for path in (cache, *cache.rglob("*")):
+            path.chmod(path.stat().st_mode | 0o200)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    native = _cpu_kernel._native_isa()
+    assert report == {
+        "status": f"compiled kernel ({native})",
+        "library": str(library),
+        "writes": [],
+        "warnings": [],
+        "running": native,
+    }
+
+
+_BUILD_IN_A_USER_SCRIPT = """
+import json, torch
+from attn_di.backends import _cpu_kernel
+
+native = _cpu_kernel._native_isa()
+_cpu_kernel.build("default")  # before first use: loads nothing here
+registered_by_the_build = hasattr(torch.ops.attn_di, "paged_attention")
+status = _cpu_kernel.kernel_status()
+running = torch.ops.attn_di.isa()
+_cpu_kernel.build("default", force=True)  # in a process that runs the kernel: it lives on
+print(json.dumps({
+    "registered_by_the_build": registered_by_the_build,
+    "status": [status.active, status.isa, status.library],
+    "running": running,
+    "loaded": sorted(torch.ops.loaded_libraries),
+    "after": _cpu_kernel.kernel_status().describe(),
+}))
+"""
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no compiler")
+def test_a_build_never_loads_into_its_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``build(isa="default")`` before first use registers nothing (kernel_status named this
+    CPU's build while the default one ran), and ``build(force=True)`` in a process running the
+    kernel leaves it running (a second TORCH_LIBRARY(attn_di) aborted the process, a
+    ``.building-*`` directory left behind). Two real compiles (about 20 s each)."""
+    directory, library = _copy_of_this_build(tmp_path, monkeypatch)
+    env = {**os.environ}
+    env.pop(_cpu_kernel.ENV_SWITCH, None)
+
+    done = subprocess.run(
+        [sys.executable, "-c", _BUILD_IN_A_USER_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+    assert done.returncode == 0, done.stderr  # -6 (SIGABRT) before
+    report = json.loads(done.stdout.splitlines()[-1])
+    native = _cpu_kernel._native_isa()
+    assert report == {
+        "registered_by_the_build": False,
+        "status": [True, native, str(library)],
+        "running": native,
+        "loaded": [str(library)],
+        "after": f"compiled kernel ({native})",
+    }
+    leftovers = [
+        p.name for p in directory.parent.iterdir() if ".building-" in p.name or ".old-" in p.name
+    ]
+    assert leftovers == []
+
+
+def test_a_failed_build_reports_the_compiler_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler that fails: the RuntimeError names the build process's exit status and its
+    last output lines; the staging directory is gone."""
+    monkeypatch.setenv(_cpu_kernel.ENV_CACHE, str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", shutil.which("false") or "false")
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"Error building extension 'attn_di_cpu_default_\w+': "
+        r"the build process exited with status 1",
+    ):
+        _cpu_kernel.build("default")
+
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
+        f"{_cpu_kernel._build_dir('default')[0]}.lock"
+    ]

@@ -520,9 +520,51 @@ def test_builder_ignores_negative_padding_in_unused_columns() -> None:
     assert metadata.slot_mapping.tolist() == [3 * 16 + 1]
 
 
-@pytest.mark.parametrize("block_size", [0, -16, 16.0, True, "16"], ids=repr)
+@pytest.mark.parametrize(
+    ("args", "where", "value"),
+    [
+        (([1, 1], [3, 4], [[0], [2**32 + 3]]), "block_table[1, 0]", 2**32 + 3),
+        (([1], [3], torch.tensor([[2**40]])), "block_table[0, 0]", 2**40),
+        (([1], [3], [[5, 2**64]]), "block_table[0, 1]", 2**64),
+        (([1], [3], torch.tensor([[2**63]], dtype=torch.uint64)), "block_table[0, 0]", 2**63),
+        (([1], [3], [[-(2**31) - 1]]), "block_table[0, 0]", -(2**31) - 1),
+        (([1], [5, 2**31], None), "seq_lens[1]", 2**31),
+        (([2**31], [2**31], None), "query_lens[0]", 2**31),
+    ],
+    ids=["block-2**32+3", "int64-tensor", "past-int64", "uint64", "below-int32", "seq-len-2**31",
+         "query-len-2**31"],
+)  # fmt: skip
+def test_builder_refuses_numbers_outside_int32_by_name_and_value(
+    args: tuple[object, object, object], where: str, value: int
+) -> None:
+    """The metadata holds lengths and block numbers in int32: one that does not fit is named
+    with its position and the value given (``2**32 + 3`` became block 3, and ``2**31`` a
+    negative length), before anything is allocated for it."""
+    with pytest.raises(InvalidInputError) as info:
+        AttentionMetadataBuilder(block_size=16).build(*args)  # type: ignore[arg-type]
+    assert info.value.argument == where.partition("[")[0]
+    assert info.value.problem.startswith(f"{where} = {value} does not fit int32")
+    assert info.value.hint
+
+
+def test_builder_refuses_query_lengths_adding_up_past_int32() -> None:
+    """query_start_loc holds the running sum of the query lengths in int32."""
+    with pytest.raises(InvalidInputError, match=r"query_lens: add up to 2147483648 tokens"):
+        AttentionMetadataBuilder(block_size=16).build([2**30, 2**30], [2**30, 2**30], None)
+
+
+def test_builder_keeps_the_largest_int32_numbers() -> None:
+    """Block numbers and lengths up to ``2**31 - 1`` are kept exactly."""
+    metadata = AttentionMetadataBuilder(block_size=1).build([1], [1], [[2**31 - 1]])
+    assert metadata.block_table.tolist() == [[2**31 - 1]]
+    assert metadata.slot_mapping.tolist() == [2**31 - 1]
+    wide = AttentionMetadataBuilder(block_size=2**31 - 1).build([1], [2**31 - 1], None)
+    assert wide.seq_lens.tolist() == [2**31 - 1]
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 16.0, True, "16", 2**31], ids=repr)
 def test_builder_refuses_bad_block_size(block_size: object) -> None:
-    """The builder's block size must be a positive int."""
+    """The builder's block size must be a positive int (below 2**31: slots are int64)."""
     with pytest.raises(InvalidInputError) as info:
         AttentionMetadataBuilder(block_size=block_size)  # type: ignore[arg-type]
     assert info.value.argument == "block_size"

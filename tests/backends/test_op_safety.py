@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -363,3 +364,130 @@ def test_an_empty_out_of_any_strides_is_accepted() -> None:
         torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), out, 0.125, 0, 0.0,
     )  # fmt: skip
     assert out.shape == (0, 2, 64)
+
+
+def _sharing_cases() -> dict[str, tuple[object, str]]:
+    """``{case: (call, message)}``: each call passes the op a tensor it writes that shares
+    memory with another argument (every pair of the kind: out against each argument the
+    paged-attention op reads; a cache against the other cache and what the write reads)."""
+    query, kv_cache, table, seq_lens, starts = _reference_batch(200, 200)
+    op, write = torch.ops.attn_di.paged_attention, torch.ops.attn_di.write_kv_cache
+    rows = int(query.shape[0])
+
+    def attend(**replace: torch.Tensor) -> None:
+        arguments = {
+            "query": query, "key_cache": kv_cache[0], "value_cache": kv_cache[1],
+            "block_table": table, "seq_lens": seq_lens, "query_start_loc": starts,
+            "out": torch.zeros_like(query), "sinks": None,
+        }  # fmt: skip
+        arguments.update(replace)
+        op(
+            arguments["query"], arguments["key_cache"], arguments["value_cache"],
+            arguments["block_table"], arguments["seq_lens"], arguments["query_start_loc"],
+            arguments["out"], 32**-0.5, 0, 0.0, None, arguments["sinks"],
+        )  # fmt: skip
+
+    def shifted() -> None:  # out the query's buffer shifted by one row (several tiles)
+        buffer = torch.zeros(rows + 1, 4, 32)
+        buffer[1:] = query
+        attend(query=buffer[1:], out=buffer[:rows])
+
+    def out_holding(name: str, tensor: torch.Tensor) -> Callable[[], None]:
+        def call() -> None:
+            out = torch.zeros_like(query)
+            inside = out.view(-1).view(tensor.dtype)[: tensor.numel()].view_as(tensor)
+            inside.copy_(tensor)
+            attend(out=out, **{name: inside})
+
+        return call
+
+    key, value = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    slots = torch.tensor([0, 1, 2])
+    caches = kv_cache.clone()
+
+    def write_with(name: str) -> Callable[[], None]:
+        def call() -> None:
+            inside = caches[0].view(-1)[: key.numel()].view_as(key)
+            arguments = {"key": key, "value": value, "slot_mapping": slots}
+            if name == "slot_mapping":
+                arguments[name] = caches[0].view(-1).view(torch.int64)[:3]
+                arguments[name].copy_(slots)
+            else:
+                inside.copy_(arguments[name])
+                arguments[name] = inside
+            write(
+                arguments["key"],
+                arguments["value"],
+                caches[0],
+                caches[1],
+                arguments["slot_mapping"],
+            )
+
+        return call
+
+    return {
+        "out-over-query-by-a-row": (shifted, r"out shares memory with query, which the op reads"),
+        "out-over-key-cache": (
+            lambda: attend(out=kv_cache.view(-1)[: query.numel()].view_as(query)),
+            r"out shares memory with key_cache",
+        ),
+        "block-table-in-out": (
+            out_holding("block_table", table),
+            r"out shares memory with block_table",
+        ),
+        "seq-lens-in-out": (out_holding("seq_lens", seq_lens), r"out shares memory with seq_lens"),
+        "query-start-in-out": (
+            out_holding("query_start_loc", starts),
+            r"out shares memory with query_start_loc",
+        ),
+        "sinks-in-out": (out_holding("sinks", torch.randn(4)), r"out shares memory with sinks"),
+        "write-one-cache-twice": (
+            lambda: write(key, value, caches[0], caches[0], slots),
+            r"key_cache shares memory with value_cache, which the op writes too",
+        ),
+        "write-key-in-cache": (write_with("key"), r"key_cache shares memory with key"),
+        "write-value-in-cache": (write_with("value"), r"key_cache shares memory with value"),
+        "write-slots-in-cache": (
+            write_with("slot_mapping"),
+            r"key_cache shares memory with slot_mapping",
+        ),
+    }
+
+
+SHARING = [
+    "out-over-query-by-a-row", "out-over-key-cache", "block-table-in-out", "seq-lens-in-out",
+    "query-start-in-out", "sinks-in-out", "write-one-cache-twice", "write-key-in-cache",
+    "write-value-in-cache", "write-slots-in-cache",
+]  # fmt: skip
+"""The cases of :func:`_sharing_cases` (made there once the kernel is loaded)."""
+
+
+@pytest.mark.parametrize("case", SHARING)
+def test_an_op_refuses_a_written_tensor_that_shares_memory(case: str) -> None:
+    """Called directly, each op refuses (RuntimeError naming both) a tensor it writes that
+    shares memory with another argument: ``out`` over the query shifted by a row silently
+    got wrong rows from the prefill kernel."""
+    call, message = _sharing_cases()[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()  # type: ignore[operator]
+
+
+def test_disjoint_views_of_one_buffer_are_accepted_by_the_ops() -> None:
+    """vLLM's blocks-outermost cache (key and value planes interleaved block by block) is
+    written, and an ``out`` interleaved with the query rows in one buffer is attended into:
+    the same results as separate buffers."""
+    query, kv_cache, table, seq_lens, starts = _reference_batch(200, 200)
+    expected = _op(query, kv_cache, table, seq_lens, starts, 0)
+    both = torch.zeros(200, 2, 4, 32)
+    both[:, 0] = query
+    torch.ops.attn_di.paged_attention(
+        both[:, 0], kv_cache[0], kv_cache[1], table, seq_lens, starts, both[:, 1], 32**-0.5, 0, 0.0
+    )
+    torch.testing.assert_close(both[:, 1], expected)
+    blocks_outermost = torch.zeros(4, 2, 16, 2, 32)
+    key, value = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    torch.ops.attn_di.write_kv_cache(
+        key, value, blocks_outermost[:, 0], blocks_outermost[:, 1], torch.tensor([0, 17, 40])
+    )
+    assert torch.equal(blocks_outermost[1, 0, 1], key[1])
+    assert torch.equal(blocks_outermost[2, 1, 8], value[2])

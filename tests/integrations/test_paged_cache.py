@@ -575,3 +575,54 @@ def test_threads_stepping_their_own_caches_on_one_model_match_eager() -> None:
     for thread in threads:
         thread.join(timeout=300)
     assert errors == []
+
+
+def test_a_reader_in_another_thread_sees_the_committed_state_while_a_step_runs() -> None:
+    """A monitor reading the cache (repr, seq_lens, num_free_blocks, block_tables,
+    num_blocks) while another thread is in the middle of a step sees the state committed
+    before that step (it raised "in the middle of a step in another thread"), and the step
+    completes unharmed; afterwards the step's own state is what is read."""
+    model = tiny_llama("attn_di:CPU_ATTN")
+    cache = PagedCache(model.config, block_size=2)
+    _logits(model, cache, 0)  # the prompt, committed: rows of 3 and 6 tokens
+    committed = (cache.seq_lens, cache.block_tables, cache.num_free_blocks, cache.num_blocks)
+    assert committed[0] == [3, 6]
+    inside, resume = threading.Event(), threading.Event()
+
+    def pause(*args: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            inside.set()
+            resume.wait(timeout=60)
+
+    handle = model.model.layers[1].register_forward_pre_hook(pause)
+    results: list[torch.Tensor] = []
+    worker = threading.Thread(target=lambda: results.append(_logits(model, cache, 1)))
+    worker.start()
+    assert inside.wait(timeout=60)
+    try:  # layer 0 has run: the step took a block for the second row (7 tokens in blocks of 2)
+        seen = (cache.seq_lens, cache.block_tables, cache.num_free_blocks, cache.num_blocks)
+        text = repr(cache)
+    finally:
+        resume.set()
+        worker.join(timeout=60)
+        handle.remove()
+    assert seen == committed
+    used = committed[3] - committed[2]
+    assert text == (
+        f"PagedCache(layers=2, block_size=2, blocks={used}/{committed[3]} used, seq_lens=[3, 6])"
+    )
+    assert len(results) == 1
+    assert cache.seq_lens == [4, 7]
+    assert [len(table) for table in cache.block_tables] == [2, 4]
+    assert cache.num_free_blocks == cache.num_blocks - 6
+
+
+def test_repr_never_raises(llama: transformers.PreTrainedModel, mocker: MockerFixture) -> None:
+    """A repr that cannot read the state says why instead of raising (a logger or a
+    debugger calls it at any moment)."""
+    cache = PagedCache(llama.config)
+    mocker.patch.object(PagedCache, "_committed", side_effect=RuntimeError("broken"))
+
+    assert repr(cache) == (
+        "PagedCache(layers=2, block_size=16, state unreadable: RuntimeError: broken)"
+    )

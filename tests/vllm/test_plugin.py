@@ -70,8 +70,22 @@ def test_vllm_plugins_allowlist_applies() -> None:
     assert _probe(VLLM_PLUGINS="attn_di")["installed"] is True
 
 
-def test_attn_di_vllm_bridge_0_turns_it_off() -> None:
-    """ATTN_DI_VLLM_BRIDGE=0: the plugin loads but leaves vLLM as it is."""
-    answer = _probe(ATTN_DI_VLLM_BRIDGE="0")
+@pytest.mark.parametrize("value", ["0", "Off "])
+def test_attn_di_vllm_bridge_off_turns_it_off(value: str) -> None:
+    """ATTN_DI_VLLM_BRIDGE=0 (any off spelling: "Off " was on): the plugin loads but leaves
+    vLLM as it is."""
+    answer = _probe(ATTN_DI_VLLM_BRIDGE=value)
     assert answer["installed"] is False
     assert answer["register_backend"] == "vllm.v1.attention.backends.registry"
+
+
+def test_attn_di_vllm_bridge_junk_is_refused_by_name() -> None:
+    """ATTN_DI_VLLM_BRIDGE=disable installed the bridge; now vLLM's plugin loading stops
+    with attn_di's EnvSwitchError naming the variable (vLLM lets a plugin's error through)."""
+    environment = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    environment["ATTN_DI_VLLM_BRIDGE"] = "disable"
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180, env=environment
+    )
+    assert result.returncode != 0
+    assert "EnvSwitchError: ATTN_DI_VLLM_BRIDGE: is 'disable', not one of" in result.stderr

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from attn_di.exceptions import InvalidInputError
 
@@ -15,23 +15,84 @@ if TYPE_CHECKING:
 __all__ = ["AttentionMetadata", "AttentionMetadataBuilder"]
 
 
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+"""The range of the metadata's int32 tensors (lengths, block numbers, query_start_loc)."""
+
+
 def _integers(argument: str, value: object, expected: str) -> torch.Tensor:
-    """``value`` as an int64 tensor; refuses floats (``[1.5]``), bools and non-numbers."""
+    """``value`` as an int64 tensor of numbers that fit int32 (the metadata's index type);
+    refuses floats (``[1.5]``), bools and non-numbers, and names the first entry outside
+    int32 with the value the caller gave (``2**32 + 3`` would become block 3)."""
     import torch
 
     hint = f"expected {expected}"
+    _SIGNED = tuple(getattr(torch, name) for name in _SIGNED_NAMES)  # noqa: N806
     try:
         tensor = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError, OverflowError):
+        found = _first_outside_int32(value)
+        if found is not None:
+            raise _outside_int32(argument, *found) from None
         raise InvalidInputError(
             argument, f"must be integers, got {value!r} ({type(value).__name__})", hint=hint
         ) from None
-    integer = tensor.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-    if not integer and tensor.numel():  # torch.as_tensor([]) is float32: an empty list is fine
+    unsigned = tuple(getattr(torch, f"uint{bits}", None) for bits in (16, 32, 64))
+    if tensor.dtype is unsigned[2]:  # values past int64's range: compare them exactly
+        for index, number in _entries(tensor.tolist(), ()):
+            if not _INT32_MIN <= number <= _INT32_MAX:
+                raise _outside_int32(argument, index, number)
+    elif tensor.dtype not in (*_SIGNED, torch.uint8, *unsigned) and tensor.numel():
+        # torch.as_tensor([]) is float32: an empty list is fine
         raise InvalidInputError(
             argument, f"must be integers, got {tensor.tolist()} ({tensor.dtype})", hint=hint
         )
-    return tensor.to(torch.int64)
+    result = tensor.to(torch.int64)
+    outside = (result < _INT32_MIN) | (result > _INT32_MAX)
+    if bool(outside.any()):
+        index = tuple(int(i) for i in outside.nonzero()[0])
+        raise _outside_int32(argument, index, int(result[index]))
+    return result
+
+
+_SIGNED_NAMES = ("int8", "int16", "int32", "int64")
+
+
+def _first_outside_int32(value: object) -> tuple[tuple[int, ...], int] | None:
+    """``(index, number)`` of the first int of nested sequences ``value`` outside int32."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        return None
+    for index, number in _entries(value, ()):
+        if isinstance(number, int) and not _INT32_MIN <= number <= _INT32_MAX:
+            return index, number
+    return None
+
+
+def _entries(value: object, index: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], Any]]:
+    """``(index, leaf)`` of every leaf of nested sequences, in order."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        for position, item in enumerate(value):
+            yield from _entries(item, (*index, position))
+    else:
+        yield index, value
+
+
+def _outside_int32(argument: str, index: tuple[int, ...], number: int) -> InvalidInputError:
+    """The error naming entry ``index`` of ``argument``, whose ``number`` does not fit int32."""
+    where = f"[{', '.join(map(str, index))}]" if index else ""
+    if argument == "block_table":
+        kind = "block numbers"
+        hint = (
+            f"block numbers index the KV cache's axis 1: 0 to {_INT32_MAX} (negative numbers "
+            "only as padding past a sequence's blocks)"
+        )
+    else:
+        kind, hint = "lengths", f"{argument} counts tokens: 0 to {_INT32_MAX}"
+    return InvalidInputError(
+        argument,
+        f"{argument}{where} = {number} does not fit int32, in which the metadata holds "
+        f"{kind} ({_INT32_MIN} to {_INT32_MAX}): it would wrap to another number",
+        hint=hint,
+    )
 
 
 @dataclass
@@ -82,8 +143,8 @@ class AttentionMetadataBuilder:
         device: where the metadata tensors live (``"cpu"`` by default).
 
     Raises:
-        InvalidInputError: ``block_size`` is not a positive int, or ``device`` is not a torch
-            device (``torch.device(device)`` refuses it).
+        InvalidInputError: ``block_size`` is not a positive int (at most ``2**31 - 1``), or
+            ``device`` is not a torch device (``torch.device(device)`` refuses it).
     """
 
     def __init__(self, block_size: int, device: str | torch.device = "cpu") -> None:
@@ -97,6 +158,13 @@ class AttentionMetadataBuilder:
             raise InvalidInputError(
                 "block_size",
                 f"must be a positive int, got {block_size!r} ({type(block_size).__name__})",
+                hint="e.g. block_size=16 (tokens per KV-cache block)",
+            )
+        if size > _INT32_MAX:  # block number * block_size must fit the int64 slots
+            raise InvalidInputError(
+                "block_size",
+                f"{size} is more than {_INT32_MAX} tokens per block: the slots "
+                "(block_number * block_size + offset, int64) would overflow",
                 hint="e.g. block_size=16 (tokens per KV-cache block)",
             )
         import torch
@@ -144,7 +212,9 @@ class AttentionMetadataBuilder:
 
         Raises:
             InvalidInputError: lengths or block numbers that are not integers (``[1.5]``),
-                lengths of different counts, a negative length, a query longer than its
+                or do not fit int32 (named with their position and the value given: the
+                metadata holds them in int32), query lengths adding up to more than int32
+                holds, lengths of different counts, a negative length, a query longer than its
                 sequence, a block table too short for ``seq_lens``, a negative block
                 number among those ``seq_lens`` use, or a ``device`` this torch build
                 cannot make tensors on (``"cuda"`` in a CPU build).
@@ -180,6 +250,14 @@ class AttentionMetadataBuilder:
                 f"each must be in [0, seq_len]; got query_lens={q_lens.tolist()}, "
                 f"seq_lens={s_lens.tolist()}",
                 hint="seq_lens count the cached prefix plus the query tokens",
+            )
+        total = int(q_lens.sum())
+        if total > _INT32_MAX:
+            raise InvalidInputError(
+                "query_lens",
+                f"add up to {total} tokens, more than query_start_loc can hold (int32: at "
+                f"most {_INT32_MAX})",
+                hint="split the batch into batches of fewer than 2**31 tokens",
             )
         if block_table is None:
             table = torch.zeros((num_seqs, 0), dtype=torch.int32)

@@ -22,6 +22,7 @@ import torch
 
 from attn_di.backend._backend import dtype_name
 from attn_di.backend._types import AttentionType
+from attn_di.backends._memory import check_apart, may_share_memory, non_overlapping
 from attn_di.exceptions import InvalidInputError
 
 if TYPE_CHECKING:
@@ -47,42 +48,6 @@ __all__ = [
 
 # Largest number of attention scores (group rows x keys x heads) materialised at once.
 SCORE_BUDGET = 1 << 24
-
-
-def non_overlapping(tensor: torch.Tensor) -> bool:
-    """Whether no two elements of ``tensor`` can share memory: with its axes of size > 1
-    sorted by stride, each stride is at least the span of the smaller ones (true of every
-    permuted or sliced view of a dense buffer, and of an empty tensor; a stride of 0 or
-    interleaved axes fail)."""
-    if tensor.numel() == 0:
-        return True
-    pairs = zip(tensor.stride(), tensor.shape, strict=True)
-    axes = sorted((stride, size) for stride, size in pairs if size > 1)
-    span = 1  # elements covered by the axes so far
-    for stride, size in axes:
-        if stride < span:
-            return False
-        span += stride * (size - 1)
-    return True
-
-
-def _address_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """``[first, last)`` bytes of memory ``tensor``'s elements may lie in (empty for none)."""
-    if tensor.numel() == 0:
-        return 0, 0
-    span = sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-    first = tensor.data_ptr()
-    return first, first + (span + 1) * tensor.element_size()
-
-
-def may_share_memory(first: torch.Tensor, second: torch.Tensor) -> bool:
-    """Whether the memory ranges of two tensors' elements intersect (a conservative test:
-    interleaved views of one buffer count as sharing)."""
-    a0, a1 = _address_range(first)
-    b0, b1 = _address_range(second)
-    return a0 < b1 and b0 < a1
 
 
 def uses_cache(impl: AttentionImpl) -> bool:
@@ -122,8 +87,10 @@ def check_inputs(
         except AttributeError:  # not AttentionMetadata-shaped: the full checks say why
             stamp = None
         if stamp is not None and _same_stamp(_remembered(metadata), stamp):
-            if output is not None and uses_cache(impl):  # addresses: not in the signature
-                _check_output_apart_from_cache(output, kv_cache)
+            # addresses are not in the signature: checked on every call
+            check_apart(
+                impl, query, key, value, kv_cache, metadata, output, writes_cache=uses_cache(impl)
+            )
             return
     _check_all(impl, query, key, value, kv_cache, metadata, output)
     if signature is not None:
@@ -173,16 +140,6 @@ def _signature(
     )
     facts = (shapes, kinds, kv_cache.stride(), out, torch.is_grad_enabled())
     return (int(query.shape[0]) if query.dim() else 0), facts
-
-
-def _check_output_apart_from_cache(output: torch.Tensor, kv_cache: torch.Tensor) -> None:
-    """An ``output=`` buffer may not lie in the cache's memory (the call writes both)."""
-    if may_share_memory(output, kv_cache):
-        raise InvalidInputError(
-            "output",
-            "lies in the memory of kv_cache, which the call writes too",
-            hint="pass a buffer of its own, e.g. torch.empty(num_tokens, num_heads * head_size)",
-        )
 
 
 def _check_all(
@@ -268,11 +225,10 @@ def _check_all(
             "memory (an expanded or overlapping view)",
             hint="pass a tensor of its own, e.g. torch.empty(num_tokens, num_heads * head_size)",
         )
-    if output is not None and uses_cache(impl):
-        _check_output_apart_from_cache(output, kv_cache)
     if uses_cache(impl):
         _check_cache_autograd(kv_cache)
     _check_metadata_devices(metadata, query.device)
+    check_apart(impl, query, key, value, kv_cache, metadata, output, writes_cache=uses_cache(impl))
     stamp = _metadata_stamp(impl, kv_cache, metadata, num_tokens, query.device)
     if stamp is None or not _same_stamp(_remembered(metadata), stamp):
         _check_metadata(impl, kv_cache, metadata, num_tokens)

@@ -13,14 +13,14 @@ Eager by default: on CPU torch then runs an unfused implementation and warns onc
 process ("flex_attention called without torch.compile()"); attn_di silences exactly that
 warning because eager is its deliberate default. Compiled mode (torch.compile of
 ``flex_attention``, fused kernels, a slow first call) is opted into by setting the
-environment variable ``ATTN_DI_FLEX_COMPILE=1`` before the impl is created, or
-``FlexAttentionImpl.compile_default = True``.
+environment switch ``ATTN_DI_FLEX_COMPILE`` (``1``/``true``/``yes``/``on``; read when an impl is
+created, anything but an on/off spelling refused), or ``FlexAttentionImpl.compile_default =
+True``.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch.nn.attention import flex_attention as flex
 
+from attn_di._env import Switch
 from attn_di.backend._backend import AttentionBackend
 from attn_di.backends._common import (
     SeqGroup,
@@ -35,10 +36,12 @@ from attn_di.backends._common import (
 from attn_di.backends._grouped import GroupedAttentionImpl, TorchCPUBackend
 from attn_di.exceptions import UnsupportedFeatureError
 
-__all__ = ["COMPILE_ENV_VAR", "FlexAttentionBackend", "FlexAttentionImpl"]
+__all__ = ["COMPILE_ENV_VAR", "COMPILE_SWITCH", "FlexAttentionBackend", "FlexAttentionImpl"]
 
 COMPILE_ENV_VAR = "ATTN_DI_FLEX_COMPILE"
-"""Set to ``1`` to run flex attention through ``torch.compile``."""
+"""On (``1``, ``true``, ``yes``, ``on``): new impls run flex attention through ``torch.compile``."""
+COMPILE_SWITCH = Switch(COMPILE_ENV_VAR, default=False, on="torch.compile", off="eager")
+"""The switch itself (:class:`attn_di._env.Switch`), read when an impl is created."""
 
 _EAGER_WARNING = r"flex_attention called without torch\.compile\(\)"
 
@@ -73,20 +76,24 @@ class FlexAttentionImpl(GroupedAttentionImpl):
     """The FLEX_ATTENTION computation; see :class:`~attn_di.backend.AttentionImpl`.
 
     Attributes:
-        compile_default: whether new impls use ``torch.compile``; read from
-            ``ATTN_DI_FLEX_COMPILE`` at import time.
+        compile_default: True: new impls use ``torch.compile`` whatever
+            ``ATTN_DI_FLEX_COMPILE`` says (False by default: the switch decides).
         compiled: whether this impl uses ``torch.compile`` (fixed at construction).
+
+    Raises:
+        EnvSwitchError: ``ATTN_DI_FLEX_COMPILE`` holds something other than on/off (at
+            construction).
     """
 
     backend: ClassVar[type[AttentionBackend]] = FlexAttentionBackend
     supports_alibi: ClassVar[bool] = True
     supports_sliding_window: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
-    compile_default: ClassVar[bool] = os.environ.get(COMPILE_ENV_VAR, "0") == "1"
+    compile_default: ClassVar[bool] = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.compiled = type(self).compile_default or os.environ.get(COMPILE_ENV_VAR) == "1"
+        self.compiled = type(self).compile_default or COMPILE_SWITCH.read()
         if self.compiled and self.sinks is not None:
             # torch 2.13's compiled CPU flex attention cannot return the log-sum-exp.
             raise UnsupportedFeatureError(

@@ -18,6 +18,9 @@ carries a hash of the source, the flags and torch's version: a change rebuilds. 
 library is rebuilt (or, without a compiler, never loaded). Processes sharing the cache build
 once between them: a file lock serialises builds (the others wait, then load that build),
 and a build is made in a directory of its own and published by renaming it into place.
+The compiler runs in a Python process of its own, so a build never loads a second copy of
+the operators into a process that runs them (which would abort it); loading a verified build
+writes nothing, so a read-only cache (a container image, a read-only mount) is used as it is.
 
 Threads come from torch's intra-op pool (``at::parallel_for``; the library links the
 ``libgomp.so.1`` torch has already loaded, so there is one OpenMP runtime).
@@ -30,11 +33,14 @@ chooses the pure-torch path on purpose (no warning).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
 import secrets
 import shutil
+import subprocess
+import sys
 import sysconfig
 import tempfile
 import threading
@@ -43,9 +49,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from attn_di.exceptions import InvalidInputError, KernelUnavailableWarning
+from attn_di._env import Switch
+from attn_di.exceptions import KernelUnavailableWarning
 
 try:
     import fcntl
@@ -55,6 +62,7 @@ except ImportError:  # pragma: no cover - Windows: builds are still published at
 __all__ = [
     "ENV_SWITCH",
     "ISAS",
+    "KERNEL_SWITCH",
     "KernelStatus",
     "build",
     "cache_root",
@@ -69,6 +77,7 @@ logger = logging.getLogger("attn_di.backends")
 #: ``0`` / ``off`` / ``false`` / ``no``: CPU_ATTN uses its pure-torch path; ``1`` / ``on`` /
 #: ``true`` / ``yes`` / unset: the kernel (any case); anything else is an error.
 ENV_SWITCH = "ATTN_DI_CPU_KERNEL"
+KERNEL_SWITCH = Switch(ENV_SWITCH, default=True, on="use the compiled kernel", off="pure torch")
 #: Where builds go (default ``$XDG_CACHE_HOME/attn_di/kernels``, else ``~/.cache/...``).
 ENV_CACHE = "ATTN_DI_KERNEL_CACHE"
 
@@ -76,7 +85,6 @@ _DIRECTORY = Path(__file__).parent
 #: The kernel library's sources: the op, its checks and the decode kernel; the prefill kernel;
 #: what they share. A change to any of them rebuilds.
 _SOURCES = tuple(_DIRECTORY / name for name in ("paged_attention.cpp", "prefill.cpp", "kernel.h"))
-_OFF, _ON = ("0", "off", "false", "no"), ("", "1", "on", "true", "yes")
 _COMMON_FLAGS = ("-O3", "-fopenmp")
 # Flags per torch CPU capability, as torch compiles its own kernels for each (x86-64 only).
 _ISA_FLAGS: dict[str, tuple[str, ...]] = {
@@ -128,7 +136,8 @@ def kernel_status() -> KernelStatus:
     the same status without warning again.
 
     Raises:
-        InvalidInputError: ``ATTN_DI_CPU_KERNEL`` holds something other than on/off.
+        EnvSwitchError: ``ATTN_DI_CPU_KERNEL`` holds something other than on/off (an
+            ``InvalidInputError``).
     """
     global _STATUS, _OP, _WRITE_OP
     if _STATUS is not None:
@@ -136,24 +145,22 @@ def kernel_status() -> KernelStatus:
     with _LOCK:
         if _STATUS is not None:
             return _STATUS
-        switch = os.environ.get(ENV_SWITCH, "").strip().lower()
-        if switch in _OFF:
-            _STATUS = KernelStatus(False, None, f"switched off ({ENV_SWITCH}={switch})")
+        if not KERNEL_SWITCH.read():
+            spelled = KERNEL_SWITCH.spelling()
+            _STATUS = KernelStatus(False, None, f"switched off ({ENV_SWITCH}={spelled})")
             return _STATUS
-        if switch not in _ON:
-            raise InvalidInputError(
-                ENV_SWITCH,
-                f"is {os.environ[ENV_SWITCH]!r}, not one of {', '.join(v for v in _ON if v)} "
-                f"(the kernel) or {', '.join(_OFF)} (pure torch)",
-                hint=f"set {ENV_SWITCH}=1 (use the compiled kernel) or 0 (pure torch)",
-            )
         try:
             library, isa = _load()
             import torch
 
             _OP = torch.ops.attn_di.paged_attention
             _WRITE_OP = torch.ops.attn_di.write_kv_cache
-            _STATUS = KernelStatus(True, isa, f"loaded from {library}", str(library))
+            where = (
+                f"loaded from {library}"
+                if library is not None
+                else "registered in this process before attn_di loaded it (library unknown)"
+            )
+            _STATUS = KernelStatus(True, isa, where, None if library is None else str(library))
         except Exception as exc:  # any failure means: fall back, and say why
             reason = _one_line(exc)
             _STATUS = KernelStatus(False, None, reason)
@@ -231,6 +238,10 @@ def build(isa: str | None = None, verbose: bool = False, force: bool = False) ->
     stamp recorded; a damaged one (truncated, overwritten) is rebuilt from scratch, so that
     a corrupt library is never loaded (``dlopen`` of a truncated file can kill the process).
 
+    The compiler runs in a Python process of its own: nothing is loaded into the caller, which
+    may be running the kernel already (:func:`kernel_status` loads a build, once per process;
+    a build made after that is used by the next process).
+
     Safe across processes sharing the cache: builds of one directory are serialised by a
     file lock beside it (``<name>.lock``, ``fcntl.flock``), a process that waited for another's
     build uses it, and a build is made in a directory of its own and published with one
@@ -291,25 +302,64 @@ def build(isa: str | None = None, verbose: bool = False, force: bool = False) ->
 
 
 def _compile(name: str, isa: str, directory: Path, verbose: bool) -> None:
-    """Compile the library ``<name>.so`` for ``isa`` into ``directory`` (and load it)."""
-    from torch.utils import cpp_extension
+    """Compile the library ``<name>.so`` for ``isa`` into ``directory``, in a Python process of
+    its own.
 
-    path = os.environ.get("PATH", "")
-    try:
-        # cpp_extension runs `ninja` from PATH; the PyPI wheel's lies beside this interpreter,
-        # which may not be on PATH (.venv/bin/python run without activating the venv).
-        os.environ["PATH"] = os.pathsep.join((_ninja_dir(), path))
-        cpp_extension.load(
-            name=name,
-            sources=[str(path) for path in _SOURCES if path.suffix == ".cpp"],
-            extra_cflags=list(_flags(isa)),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=verbose,
+    ``torch.utils.cpp_extension.load`` also loads what it built into the process that calls
+    it; in a process that has loaded the kernel already that is a second
+    ``TORCH_LIBRARY(attn_di)``, which aborts the process (and a library loaded beside the one
+    in use would not be the one :func:`kernel_status` names). The child builds, loads (so a
+    library that cannot be loaded fails the build) and exits; the caller loads nothing.
+
+    Raises:
+        RuntimeError: the build failed (its last output lines in the message), or no Python
+            process could be started.
+    """
+    if not sys.executable:
+        raise _BuildError(
+            "cannot start a Python process to build CPU_ATTN's kernel (sys.executable is empty)",
+            hint="run `python -m attn_di.backends._cpu_kernel build` from a shell; CPU_ATTN "
+            "works meanwhile",
         )
-    finally:
-        os.environ["PATH"] = path
+    arguments = {
+        "name": name,
+        "sources": [str(path) for path in _SOURCES if path.suffix == ".cpp"],
+        "extra_cflags": list(_flags(isa)),
+        "extra_ldflags": ["-fopenmp"],
+        "build_directory": str(directory),
+        "is_python_module": False,
+        "verbose": verbose,
+    }
+    # cpp_extension runs `ninja` from PATH; the PyPI wheel's lies beside this interpreter,
+    # which may not be on PATH (.venv/bin/python run without activating the venv).
+    env = {**os.environ, "PATH": os.pathsep.join((_ninja_dir(), os.environ.get("PATH", "")))}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(arguments)],
+        env=env,
+        stdout=None if verbose else subprocess.PIPE,
+        stderr=None if verbose else subprocess.STDOUT,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        output = (done.stdout or "").strip().splitlines()[-20:]
+        how = (
+            f"exited with status {done.returncode}"
+            if done.returncode > 0
+            else (f"was killed by signal {-done.returncode}")
+        )
+        raise RuntimeError(
+            f"Error building extension '{name}': the build process {how}"
+            + ("".join(f"\n{line}" for line in output) if output else "")
+        )
+
+
+# What the build process runs: cpp_extension.load with the arguments given as JSON.
+_COMPILE_SCRIPT = (
+    "import json, sys\n"
+    "from torch.utils import cpp_extension\n"
+    "cpp_extension.load(**json.loads(sys.argv[1]))\n"
+)
 
 
 def _publish(staging: Path, directory: Path) -> None:
@@ -338,19 +388,41 @@ def _locked(name: str, *, shared: bool) -> Iterator[None]:
     shared to check and load. Without ``fcntl`` (Windows) there is no lock; builds are still
     published whole, so concurrent processes may each build, never break one another.
 
+    The shared lock writes nothing: it opens the lock file read-only, and where there is no
+    lock file (a cache made elsewhere and copied or mounted here, read-only perhaps: a
+    container image) it holds none. No build has run in such a cache, and a build that starts
+    meanwhile makes its lock file and publishes its directory by one rename, so a reader
+    still loads a whole build.
+
     Raises:
-        _BuildError: the cache root cannot be created, or the lock file opened.
+        _BuildError: the cache root cannot be created, or the lock file opened (exclusive).
     """
     root = cache_root()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        handle = (root / f"{name}.lock").open("a+b")
-    except OSError as exc:
-        raise _unusable_cache(exc) from exc
+    lock = root / f"{name}.lock"
+    if shared:
+        handle = _open_for_reading(lock)
+        if handle is None:
+            yield
+            return
+    else:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            handle = lock.open("a+b")
+        except OSError as exc:
+            raise _unusable_cache(exc) from exc
     with handle:
         if fcntl is not None:
             fcntl.flock(handle.fileno(), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield  # closing the file releases the lock
+
+
+def _open_for_reading(lock: Path) -> BinaryIO | None:
+    """The lock file opened read-only (``flock`` takes a shared lock on any descriptor), or
+    None where it does not exist or cannot be opened."""
+    try:
+        return lock.open("rb")
+    except OSError:
+        return None
 
 
 class _BuildError(RuntimeError):
@@ -401,32 +473,71 @@ def _ninja_dir() -> str:
         return sysconfig.get_path("scripts")
 
 
-def _load() -> tuple[Path, str]:
-    """Load this CPU's build (building it first if missing); ``(library, isa)``.
+def _load() -> tuple[Path | None, str]:
+    """Load this CPU's build (building it first if missing); ``(library, isa)`` of the
+    library whose operators are registered in this process (None if not known: something
+    else registered them before), and the instruction set they were built for.
 
     The library is checked and loaded under the shared build lock, so a rebuild by another
-    process cannot replace it between the check and the ``dlopen``.
+    process cannot replace it between the check and the ``dlopen``. Loading a verified build
+    writes nothing (a read-only cache is used as it is).
     """
     isa = _native_isa()
     name, directory = _build_dir(isa)
     library = directory / f"{name}.so"
+    loaded: Path | None = None
     if directory.exists():  # never create a cache directory just to find nothing in it
         with _locked(name, shared=True):
             if _verified(library, directory / "built"):
-                _load_library(library)
-                return library, isa
-    library = build(isa)
-    with _locked(name, shared=True):
-        _load_library(library)
-    return library, isa
+                loaded = _load_library(library)
+    if loaded is None and not _registered():
+        library = build(isa)
+        with _locked(name, shared=True):
+            loaded = _load_library(library)
+    elif loaded is None:
+        loaded = _registered_library()
+    return loaded, _running_isa(isa)
 
 
-def _load_library(library: Path) -> None:
-    """``torch.ops.load_library``, unless the ops are already loaded in this process."""
+def _registered() -> bool:
+    """Whether attn_di's operators are registered in this process."""
     import torch
 
-    if not hasattr(torch.ops.attn_di, "paged_attention"):
+    return hasattr(torch.ops.attn_di, "paged_attention")
+
+
+def _load_library(library: Path) -> Path | None:
+    """``torch.ops.load_library``, unless the ops are already registered in this process (a
+    second ``TORCH_LIBRARY(attn_di)`` would abort it); returns the library whose operators
+    are registered (None if not known)."""
+    import torch
+
+    if not _registered():
         torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+        return library
+    return _registered_library()
+
+
+def _registered_library() -> Path | None:
+    """The attn_di kernel library torch loaded in this process, if torch recorded one."""
+    import torch
+
+    loaded = [
+        Path(path)
+        for path in sorted(getattr(torch.ops, "loaded_libraries", ()))
+        if Path(path).name.startswith("attn_di_cpu_")
+    ]
+    return loaded[-1] if len(loaded) == 1 else None
+
+
+def _running_isa(fallback: str) -> str:
+    """The instruction set of the registered operators (``torch.ops.attn_di.isa()``)."""
+    import torch
+
+    try:
+        return str(torch.ops.attn_di.isa())
+    except (AttributeError, RuntimeError):
+        return fallback
 
 
 def _native_isa() -> str:

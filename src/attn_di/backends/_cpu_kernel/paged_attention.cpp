@@ -19,8 +19,9 @@
 //
 // Memory safety: every op checks, before it touches memory, every shape, stride, dtype, device
 // and index it relies on (out rows, block size > 0, query_start_loc monotone and within query and
-// out, seq_lens covered by the block table, block ids and slots within the cache) and raises a
-// RuntimeError (TORCH_CHECK) naming the argument.
+// out, seq_lens covered by the block table, block ids and slots within the cache, no tensor it
+// writes sharing memory with another of its arguments) and raises a RuntimeError (TORCH_CHECK)
+// naming the argument.
 //
 // Work: one item = one sequence x one partition of its visible keys. An item reads its key
 // rows in block-table order, a whole token row (all KV heads) at a time, computes every
@@ -661,6 +662,98 @@ bool non_overlapping(const at::Tensor& t) {
   return true;
 }
 
+// [first, last) bytes of memory `t`'s elements lie in (empty for none; strides are >= 0).
+std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
+  const auto first = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  if (t.numel() == 0) return {first, first};
+  int64_t span = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) span += (t.size(d) - 1) * t.stride(d);
+  return {first, first + static_cast<uintptr_t>((span + 1) * t.element_size())};
+}
+
+// (byte stride, size) of `t`'s axes of size > 1, largest stride first, the element's own
+// bytes as an axis of stride 1, adjacent axes merged where one continues the other.
+std::vector<std::pair<int64_t, int64_t>> byte_axes(const at::Tensor& t) {
+  const int64_t item = static_cast<int64_t>(t.element_size());
+  std::vector<std::pair<int64_t, int64_t>> axes;
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) axes.emplace_back(t.stride(d) * item, t.size(d));
+  std::sort(axes.rbegin(), axes.rend());
+  axes.emplace_back(1, item);
+  std::vector<std::pair<int64_t, int64_t>> merged;
+  for (const auto& [stride, size] : axes) {
+    if (!merged.empty() && merged.back().first == stride * size)
+      merged.back() = {stride, size * merged.back().second};
+    else
+      merged.emplace_back(stride, size);
+  }
+  std::vector<std::pair<int64_t, int64_t>> kept;
+  for (const auto& axis : merged)
+    if (axis.second > 1) kept.push_back(axis);
+  return kept;
+}
+
+// floor(a / b) for b > 0.
+int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+struct Term {
+  int64_t stride, low, high;  // a coefficient c in [low, high] of stride
+};
+
+// Whether offset = sum(c_k * stride_k) over terms[from...] (largest stride first); `budget`
+// counts down the nodes visited (false once it runs out).
+bool solvable(int64_t offset, const std::vector<Term>& terms, size_t from, int64_t& budget) {
+  if (--budget < 0) return false;
+  if (from == terms.size()) return offset == 0;
+  int64_t rest_low = 0, rest_high = 0;
+  for (size_t k = from + 1; k < terms.size(); ++k) {
+    rest_low += terms[k].stride * terms[k].low;
+    rest_high += terms[k].stride * terms[k].high;
+  }
+  const Term& t = terms[from];
+  const int64_t first = std::max(t.low, -floor_div(rest_high - offset, t.stride));
+  const int64_t last = std::min(t.high, floor_div(offset - rest_low, t.stride));
+  for (int64_t c = first; c <= last; ++c)
+    if (solvable(offset - c * t.stride, terms, from + 1, budget)) return true;
+  return false;
+}
+
+// Whether a byte of one tensor's elements may be a byte of the other's: exact for tensors
+// that do not overlap themselves (the offset between them is a sum of index-times-stride terms
+// of both, found by a short search), true when the byte ranges meet otherwise or when the
+// search runs long (attn_di.backends._memory.shares_memory in Python).
+bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
+  const auto [a0, a1] = byte_range(a);
+  const auto [b0, b1] = byte_range(b);
+  if (!(a0 < b1 && b0 < a1)) return false;
+  if (!non_overlapping(a) || !non_overlapping(b)) return true;
+  std::vector<Term> terms;
+  auto add = [&terms](int64_t stride, int64_t low, int64_t high) {
+    for (Term& t : terms)
+      if (t.stride == stride) {
+        t.low += low;
+        t.high += high;
+        return;
+      }
+    terms.push_back({stride, low, high});
+  };
+  for (const auto& [stride, size] : byte_axes(a)) add(stride, 0, size - 1);
+  for (const auto& [stride, size] : byte_axes(b)) add(stride, -(size - 1), 0);
+  std::sort(terms.begin(), terms.end(), [](const Term& x, const Term& y) { return x.stride > y.stride; });
+  int64_t budget = 4096;
+  const int64_t offset = static_cast<int64_t>(b0) - static_cast<int64_t>(a0);
+  return solvable(offset, terms, 0, budget) || budget < 0;
+}
+
+// Refuse `written` (a tensor the op writes) sharing memory with `other`, which the op writes
+// too (`other_written`) or reads.
+void check_apart(const char* op, const at::Tensor& written, const char* written_name,
+                 const at::Tensor& other, const char* other_name, bool other_written = false) {
+  TORCH_CHECK(!shares_memory(written, other), "attn_di ", op, ": ", written_name,
+              " shares memory with ", other_name, ", which the op ",
+              other_written ? "writes too" : "reads while it writes ", other_written ? "" : written_name);
+}
+
 // key_cache and value_cache: [num_blocks, block_size, H_kv, D] views of one dtype, last dim
 // contiguous, block_size > 0.
 void check_caches(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
@@ -829,6 +922,17 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
               rows_in, "] (query has ", query.size(0), " rows, out ", out.size(0), "), got [",
               num_seqs ? qsl[0] : 0, ", ..., ", num_seqs ? qsl[num_seqs] : 0, "]");
 
+  // Nothing the op reads may share memory with out: rows written early would be read later
+  // (a query buffer shifted by a row), or indices changed after they were checked.
+  check_apart(op, out, "out", query_in, "query");
+  check_apart(op, out, "out", key_cache, "key_cache");
+  check_apart(op, out, "out", value_cache, "value_cache");
+  check_apart(op, out, "out", block_table_in, "block_table");
+  check_apart(op, out, "out", seq_lens_in, "seq_lens");
+  check_apart(op, out, "out", query_start_loc_in, "query_start_loc");
+  if (alibi_slopes_in.has_value()) check_apart(op, out, "out", *alibi_slopes_in, "alibi_slopes");
+  if (sinks_in.has_value()) check_apart(op, out, "out", *sinks_in, "sinks");
+
   // Plan: short causal queries (decode, chunked decode) go to the decode kernel below, each
   // sequence's visible key range cut into partitions; the others to the prefill kernel.
   std::vector<Sequence> seqs(num_seqs);
@@ -937,6 +1041,14 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   const Indices slots = index_tensor(op, slot_mapping_in, "slot_mapping", 1);
   TORCH_CHECK(slots.rows >= n, "attn_di write_kv_cache: slot_mapping has ", slots.rows,
               " entries for ", n, " tokens (one slot per token)");
+  // The two caches are written; the rows copied and the slots may lie in neither.
+  check_apart(op, key_cache, "key_cache", value_cache, "value_cache", true);
+  for (const at::Tensor* cache : {&key_cache, &value_cache}) {
+    const char* cache_name = cache == &key_cache ? "key_cache" : "value_cache";
+    check_apart(op, *cache, cache_name, key, "key");
+    check_apart(op, *cache, cache_name, value, "value");
+    check_apart(op, *cache, cache_name, slot_mapping_in, "slot_mapping");
+  }
   const int64_t* slot = slots.data;
   const int64_t block_size = key_cache.size(1);
   const int64_t num_slots = key_cache.size(0) * block_size;

@@ -262,8 +262,9 @@ class PagedCache(Cache):
         # What the attention function worked out once for all layers of the current step
         # (emptied when a step starts).
         self.step_memo: dict[str, Any] = {}
-        # (columns, seq_lens, blocks per sequence) before the current step, for abandon_step.
-        self._before: tuple[int, list[int], list[int]] = (0, [], [])
+        # (columns, seq_lens, blocks per sequence, pool size) before the current step, for
+        # abandon_step and for readers in other threads while the step runs.
+        self._before: tuple[int, list[int], list[int], int] = (0, [], [], 0)
         # The model call of the step begun and not yet committed (see _scope), or None.
         self._open: ModelCall | None = None
         # While the cache lives, torch runs module hooks: the return of the first forward of
@@ -323,7 +324,12 @@ class PagedCache(Cache):
         model = call.model if call is not None else None
         self._check_caller(model)
         if self._open is None or call is None or self._open.frame is not call.frame:
-            self._before = (self._columns, list(self._seq_lens), [len(t) for t in self._tables])
+            self._before = (
+                self._columns,
+                list(self._seq_lens),
+                [len(t) for t in self._tables],
+                self._capacity,
+            )
             if call is not None:
                 watch(call.model)
                 if call.hooked:  # its return will be seen: commit then
@@ -544,7 +550,7 @@ class PagedCache(Cache):
         self._open = None
         close_step(self)
         self._forget_pending()
-        columns, seq_lens, counts = self._before
+        columns, seq_lens, counts, _ = self._before
         if len(counts) != len(self._tables):  # the step started the sequences
             counts = [0] * len(self._tables)
         for table, count in zip(self._tables, counts, strict=True):
@@ -601,35 +607,61 @@ class PagedCache(Cache):
         return kv_cache
 
     # -- introspection ---------------------------------------------------------------
+    # These read the committed state: from another thread while a step runs (a monitor, a
+    # logger, a debugger), the state before that step, without touching the step.
     @property
     def num_blocks(self) -> int:
         """Blocks in each layer's pool now."""
-        return self._capacity
+        return self._committed().capacity
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks on the free list."""
-        self._settle()
-        return len(self._free)
+        return self._committed().free
 
     @property
     def block_tables(self) -> list[list[int]]:
         """Each sequence's block numbers, in position order (a copy)."""
-        self._settle()
-        return [list(table) for table in self._tables]
+        return self._committed().block_tables
 
     @property
     def seq_lens(self) -> list[int]:
         """Real (unpadded) tokens cached per sequence (a copy)."""
-        self._settle()
-        return list(self._seq_lens)
+        return self._committed().seq_lens
 
     def __repr__(self) -> str:
-        self._settle()
+        """The pool and the lengths (the committed state); never raises."""
+        head = f"PagedCache(layers={len(self.layers)}, block_size={self.block_size}"
+        try:
+            state = self._committed()
+        except Exception as error:  # a repr is for debugging: say why instead of raising
+            return f"{head}, state unreadable: {type(error).__name__}: {error})"
         return (
-            f"PagedCache(layers={len(self.layers)}, block_size={self.block_size}, "
-            f"blocks={self._capacity - len(self._free)}/{self._capacity} used, "
-            f"seq_lens={self._seq_lens})"
+            f"{head}, blocks={state.capacity - state.free}/{state.capacity} used, "
+            f"seq_lens={state.seq_lens})"
+        )
+
+    def _committed(self) -> _Committed:
+        """The state as readers see it: the state before a step another thread is in the
+        middle of, else the state now (after rolling back a failed step)."""
+        open_call = self._open
+        if (
+            open_call is not None
+            and open_call.thread != threading.get_ident()
+            and running(open_call)
+        ):
+            _, seq_lens, counts, capacity = self._before  # set before the step was opened
+            tables = self._tables  # only grows during a step: its first `count` are the old
+            if len(counts) != len(tables):
+                counts, tables = [], []
+            old = [list(table[:count]) for table, count in zip(tables, counts, strict=True)]
+            return _Committed(list(seq_lens), old, capacity - sum(counts), capacity)
+        self._settle()
+        return _Committed(
+            list(self._seq_lens),
+            [list(table) for table in self._tables],
+            len(self._free),
+            self._capacity,
         )
 
     # -- internals -------------------------------------------------------------------
@@ -707,6 +739,16 @@ class PagedCache(Cache):
                     "PagedCache after swapping to a backend with another KV layout",
                 )
         self._compatible.add(backend_cls)
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """A cache's committed state, as :class:`PagedCache`'s introspection reports it."""
+
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    free: int
+    capacity: int
 
 
 @dataclass(frozen=True)

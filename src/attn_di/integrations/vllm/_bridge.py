@@ -22,7 +22,6 @@ vLLM-only members (unless they hold a registration).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from enum import Enum
@@ -31,12 +30,30 @@ from typing import Any
 import vllm.v1.attention.backends.registry as registry
 
 import attn_di
+from attn_di._env import Switch
 from attn_di.exceptions import InvalidBackendNameError
 
-__all__ = ["BRIDGE_ENV", "Side", "install", "is_installed", "load_plugin", "sides", "uninstall"]
+__all__ = [
+    "BRIDGE_ENV",
+    "BRIDGE_SWITCH",
+    "Side",
+    "install",
+    "is_installed",
+    "load_plugin",
+    "sides",
+    "uninstall",
+]
 
 BRIDGE_ENV = "ATTN_DI_VLLM_BRIDGE"
-"""``ATTN_DI_VLLM_BRIDGE=0`` keeps the ``vllm.general_plugins`` entry point from installing."""
+"""``ATTN_DI_VLLM_BRIDGE=0`` (or ``false``, ``no``, ``off``) keeps the ``vllm.general_plugins``
+entry point from installing; anything but an on/off spelling is refused."""
+BRIDGE_SWITCH = Switch(
+    BRIDGE_ENV,
+    default=True,
+    on="install the bridge",
+    off="leave vLLM as it is",
+)
+"""The switch itself, read by :func:`load_plugin`."""
 
 _METHODS = ("get_path", "get_class", "is_overridden", "clear_override", "register")
 _logger = logging.getLogger(__name__)
@@ -300,9 +317,13 @@ def load_plugin() -> None:
 
     vLLM calls it once in each of its processes (front end, engine core, workers), after
     ``VLLM_PLUGINS`` allowed it; ``ATTN_DI_VLLM_BRIDGE=0`` leaves vLLM untouched.
+
+    Raises:
+        EnvSwitchError: ``ATTN_DI_VLLM_BRIDGE`` holds something other than on/off (vLLM's
+            plugin loader lets it through: the process refuses to start, naming it).
     """
-    if os.environ.get(BRIDGE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        _logger.info("attn_di: %s=0, the vLLM bridge is not installed", BRIDGE_ENV)
+    if not BRIDGE_SWITCH.read():
+        _logger.info("attn_di: %s is off, the vLLM bridge is not installed", BRIDGE_ENV)
         return
     install()
 
