@@ -291,8 +291,8 @@ def test_warm_up_without_metadata_computes_nothing() -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.get_name())
 def test_capabilities_are_attn_dis(backend: Any) -> None:
-    """The layout it reads, vLLM's default block size 128, fp32/bf16, decoder only, and
-    attn_di's reasons for what it cannot run."""
+    """The layout it reads, vLLM's default block size 128, fp32/bf16, decoder and
+    encoder-only attention, and attn_di's reasons for what it cannot run."""
     assert backend.supported_kv_cache_layouts() == KV_CACHE_LAYOUTS == (KVCacheLayout.LBNHC,)
     assert backend.forward_includes_kv_cache_update
     assert backend.supports_block_size(128)
@@ -307,9 +307,13 @@ def test_capabilities_are_attn_dis(backend: Any) -> None:
         "kv_cache_dtype not supported"
     ]
     assert "DCP not supported" in backend.validate_configuration(**ok, use_dcp=True)
-    assert "attention type encoder_only not supported" in backend.validate_configuration(
-        **{**ok, "attn_type": "encoder_only"}
-    )
+    assert backend.validate_configuration(**{**ok, "attn_type": "encoder_only"}) == []
+    assert backend.supports_attn_type("encoder_only")
+    for refused in ("encoder", "encoder_decoder"):  # encoder-decoder models: not run
+        assert f"attention type {refused} not supported" in backend.validate_configuration(
+            **{**ok, "attn_type": refused}
+        )
+        assert not backend.supports_attn_type(refused)
     assert AttentionBackendEnum[backend.get_name()].name == backend.get_name()
 
 

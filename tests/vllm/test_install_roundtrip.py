@@ -206,3 +206,55 @@ def test_every_runtime_member_made_for_vllm_only_members_goes_on_uninstall() -> 
     bridge.uninstall()
     assert _state() == before
     assert not set(names) & set(attn_di.AttentionBackendEnum.__members__)
+
+
+def test_lookups_in_other_threads_never_fail_while_installing_and_uninstalling() -> None:
+    """Threads looking members up (by name, by value, by iteration, both directions) while
+    the main thread installs and uninstalls 150 times: no lookup fails and every answer is
+    the member that never goes away. An attn_di runtime member is mirrored into vLLM's enum
+    by each install() and removed by each uninstall(), so iterations overlap removals too."""
+    import sys
+    import threading
+
+    attn_di.register_backend("I24_MIRRORED", TORCH_SDPA)  # mirrored on install, gone after
+    cpu_attn = AttentionBackendEnum.CPU_ATTN
+    path = cpu_attn.value
+    failures: list[BaseException] = []
+    wrong: list[str] = []
+    stop = threading.Event()
+
+    def look_up() -> None:
+        while not stop.is_set():
+            try:
+                if AttentionBackendEnum["CPU_ATTN"] is not cpu_attn:
+                    wrong.append("by name")
+                if AttentionBackendEnum(path) is not cpu_attn:
+                    wrong.append("by value")
+                if cpu_attn not in list(AttentionBackendEnum):
+                    wrong.append("list()")
+                if cpu_attn not in list(reversed(AttentionBackendEnum)):
+                    wrong.append("reversed()")
+                if "CPU_ATTN" not in AttentionBackendEnum.__members__:
+                    wrong.append("__members__")
+            except BaseException as exc:  # what the test is about: nothing may escape
+                failures.append(exc)
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    readers = [threading.Thread(target=look_up) for _ in range(3)]
+    try:
+        for reader in readers:
+            reader.start()
+        for _ in range(150):
+            bridge.install()
+            assert "I24_MIRRORED" in AttentionBackendEnum.__members__
+            bridge.uninstall()
+            assert "I24_MIRRORED" not in AttentionBackendEnum.__members__
+    finally:
+        stop.set()
+        for reader in readers:
+            reader.join()
+        sys.setswitchinterval(interval)
+    assert failures == []
+    assert wrong == []

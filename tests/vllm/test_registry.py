@@ -399,6 +399,7 @@ def _vllm_state() -> tuple[Any, ...]:
     from vllm.engine.arg_utils import EngineArgs
 
     state += [selector._cached_get_attn_backend, vars(EngineArgs)["create_engine_config"]]
+    state.append(dict(vars(type(AttentionBackendEnum))))  # the metaclass: iteration comes back
     for enum_cls in (AttentionBackendEnum, MambaAttentionBackendEnum):
         state += [
             dict(enum_cls._member_map_),

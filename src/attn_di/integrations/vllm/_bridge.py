@@ -17,6 +17,12 @@ members mirrored into vLLM's enums), :func:`attn_di.remove_runtime_member` and t
 container's public methods. :func:`uninstall` puts every replaced object back and vLLM's
 member tables as they were, and removes the attn_di runtime members the bridge made for
 vLLM-only members (unless they hold a registration).
+
+vLLM's member tables (``_member_map_``, ``_value2member_map_``, ``_member_names_``) are
+never emptied and refilled: each change swaps in whole new tables, and while installed the
+enums iterate over one snapshot, so ``AttentionBackendEnum["CPU_ATTN"]``,
+``AttentionBackendEnum(path)`` and ``list(AttentionBackendEnum)`` in other threads never fail
+during install() or uninstall().
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 import vllm.v1.attention.backends.registry as registry
 
@@ -184,20 +190,75 @@ class _EnumState:
         }
 
     def restore(self) -> None:
+        """Put the methods and member tables back, each table swapped whole (see
+        :func:`_swap_tables`): a lookup in another thread never finds one half made."""
         cls = self.enum_cls
         for name, method in self.methods.items():
             type.__setattr__(cls, name, method)
-        for name in list(cls._member_map_):
-            if name not in self.member_map and isinstance(vars(cls).get(name), cls):
-                cls._member_map_.pop(name)
+        added = [name for name in cls._member_map_ if name not in self.member_map]
+        _swap_tables(cls, list(self.member_names), dict(self.value_map), dict(self.member_map))
+        for name in added:
+            if isinstance(vars(cls).get(name), cls):
                 type.__delattr__(cls, name)
-        cls._member_map_.clear()
-        cls._member_map_.update(self.member_map)
-        cls._member_names_[:] = self.member_names
-        cls._value2member_map_.clear()
-        cls._value2member_map_.update(self.value_map)
         for name, member in self.attributes.items():
-            type.__setattr__(cls, name, member)
+            if vars(cls).get(name) is not member:
+                type.__setattr__(cls, name, member)
+
+
+def _swap_tables(
+    cls: type[Enum], names: list[str], values: dict[Any, Any], members: dict[str, Any]
+) -> None:
+    """Give ``cls`` new member tables, each by one attribute store (atomic under the GIL),
+    never by emptying and refilling the old ones: a concurrent ``cls["NAME"]``, ``cls(value)``
+    or ``len(cls)`` sees the old table or the new one, and a member in both is found in
+    either. The names go first, so an iteration started after this call lists no member the
+    map lacks; one started before it is safe through :func:`_snapshot_iter`."""
+    type.__setattr__(cls, "_member_names_", names)
+    type.__setattr__(cls, "_value2member_map_", values)
+    type.__setattr__(cls, "_member_map_", members)
+
+
+def _snapshot_iter(cls: type[Enum]) -> Iterator[Any]:
+    """Enum iteration over one consistent snapshot: the members of the names list and map
+    read at the start (each copied in one step), skipping a name the map no longer holds
+    (a member being removed). Python's own ``EnumType.__iter__`` looks each name up in the
+    map of the moment, so a member removed while it runs raises ``KeyError`` there."""
+    names = list(cls._member_names_)
+    table = cls._member_map_
+    return iter([table[name] for name in names if name in table])
+
+
+def _snapshot_reversed(cls: type[Enum]) -> Iterator[Any]:
+    """``reversed(cls)`` over one snapshot (see :func:`_snapshot_iter`)."""
+    return iter(list(_snapshot_iter(cls))[::-1])
+
+
+class _MetaState:
+    """The iteration methods install() gives vLLM's enum metaclass, undone by restore()."""
+
+    _PATCHED: ClassVar[dict[str, Callable[[type[Enum]], Iterator[Any]]]] = {
+        "__iter__": _snapshot_iter,
+        "__reversed__": _snapshot_reversed,
+    }
+
+    def __init__(self, meta: type) -> None:
+        self.meta = meta
+        self.saved = {name: vars(meta).get(name, _MISSING) for name in self._PATCHED}
+
+    def patch(self) -> None:
+        for name, function in self._PATCHED.items():
+            type.__setattr__(self.meta, name, function)
+
+    def restore(self) -> None:
+        for name, saved in self.saved.items():
+            if saved is _MISSING:
+                if name in vars(self.meta):
+                    type.__delattr__(self.meta, name)
+            else:
+                type.__setattr__(self.meta, name, saved)
+
+
+_MISSING = object()
 
 
 class _Installation:
@@ -215,6 +276,8 @@ class _Installation:
         )
         self.sides = (attention, mamba)
         self.enum_states = [_EnumState(side.vllm_enum) for side in self.sides]
+        metas = dict.fromkeys(type(side.vllm_enum) for side in self.sides)
+        self.meta_states = [_MetaState(meta) for meta in metas]
         self.module_attrs = {
             name: getattr(registry, name)
             for name in ("register_backend", *(side.overrides_attr for side in self.sides))
@@ -260,6 +323,8 @@ def install() -> None:
             return
         state = _installation = _Installation()
         try:
+            for meta_state in state.meta_states:
+                meta_state.patch()
             for side in state.sides:
                 attn_di.register_enum_alias(side.vllm_enum, side.attn_di_enum)
                 _migrate(state, side)
@@ -310,6 +375,8 @@ def uninstall() -> None:
             enum_state.restore()
         for side, enum_state in zip(state.sides, state.enum_states, strict=True):
             _remove_created(side, enum_state, state.attn_di_names[side])
+        for meta_state in state.meta_states:  # last: an iteration begun meanwhile stays safe
+            meta_state.restore()
 
 
 def load_plugin() -> None:
@@ -428,10 +495,15 @@ def _add_vllm_member(side: Side, name: str, value: str) -> None:
     member = object.__new__(cls)
     member._name_ = name
     member._value_ = value
+    values = dict(cls._value2member_map_)
+    values.setdefault(value, member)
     type.__setattr__(cls, name, member)
-    cls._member_map_[name] = member
-    cls._value2member_map_.setdefault(value, member)
-    cls._member_names_.append(name)
+    # New tables, never the old ones grown: an iteration begun before (which holds the old
+    # names list) never meets this member, so its removal later cannot fail that iteration.
+    # The map first: a name listed is always in the map.
+    type.__setattr__(cls, "_member_map_", {**cls._member_map_, name: member})
+    type.__setattr__(cls, "_value2member_map_", values)
+    type.__setattr__(cls, "_member_names_", [*cls._member_names_, name])
     side.mirrored.add(name)
 
 
@@ -463,13 +535,13 @@ def _mirror_removed(member: Any) -> None:
         if isinstance(member, side.attn_di_enum) and member.name in side.mirrored:
             side.mirrored.discard(member.name)
             cls = side.vllm_enum
-            twin = cls._member_map_.pop(member.name, None)
+            twin = cls._member_map_.get(member.name)
             if twin is None:
                 return
-            if member.name in cls._member_names_:
-                cls._member_names_.remove(member.name)
-            if cls._value2member_map_.get(twin._value_) is twin:
-                del cls._value2member_map_[twin._value_]
+            values = {v: m for v, m in cls._value2member_map_.items() if m is not twin}
+            names = [name for name in cls._member_names_ if name != member.name]
+            members = {n: m for n, m in cls._member_map_.items() if n != member.name}
+            _swap_tables(cls, names, values, members)
             if vars(cls).get(member.name) is twin:
                 type.__delattr__(cls, member.name)
 

@@ -9,6 +9,10 @@
   :class:`~attn_di.backend.AttentionMetadata` once per step and KV-cache group (the layers
   share it), without copying a tensor; the token count is the real one
   (``query_start_loc[-1]``), not vLLM's padded ``num_actual_tokens``.
+- Decoder attention runs over vLLM's paged cache; encoder-only attention (vLLM's
+  ``EncoderOnlyAttention`` layers of pooling and embedding models, e.g. BERT) runs
+  bidirectionally over each step's own keys and values, as vLLM allocates no KV cache for
+  those layers. Other attention types (encoder-decoder models) are refused at selection.
 - :class:`AttnDIImpl` is built by vLLM's attention layer (positional arguments, mapped here by
   keyword: vLLM's 10th is ``kv_sharing_target_layer_name``, attn_di's is ``sinks``). It
   resolves the attn_di backend through attn_di's container when the layer is built, so an
@@ -60,6 +64,18 @@ __all__ = [
 #: The layouts attn_di's backends read, most preferred first: layer-compact, token-major
 #: blocks (``[L, B, N, H, C]``), the closest to attn_di's own ``(2, B, N, H, D)``.
 KV_CACHE_LAYOUTS: tuple[KVCacheLayout, ...] = (KVCacheLayout.LBNHC,)
+
+# The attention types the adapter runs inside vLLM (vLLM's ``AttentionType`` values):
+# decoder self-attention over vLLM's paged cache, and encoder-only self-attention (pooling
+# and embedding models such as BERT: bidirectional, over the step's own keys and values; vLLM
+# allocates no KV cache for those layers). Encoder and cross attention of encoder-decoder
+# models are not run (refused at selection).
+_ATTN_TYPES: tuple[str, ...] = (AttentionType.DECODER.value, AttentionType.ENCODER_ONLY.value)
+
+
+def _attn_type_name(attn_type: Any) -> str:
+    """``"decoder"`` for vLLM's ``AttentionType.DECODER`` or the string itself."""
+    return str(getattr(attn_type, "value", attn_type))
 
 
 def kv_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -173,10 +189,11 @@ class AttnDIBackend(VllmAttentionBackend):  # type: ignore[misc]
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        """Decoder attention (over vLLM's paged cache), where the attn_di backend runs it."""
-        return attn_type == AttentionType.DECODER and bool(
-            cls.attn_di_backend().supports_attn_type(AttentionType.DECODER.value)
-        )
+        """Decoder attention (over vLLM's paged cache) and encoder-only attention (vLLM's
+        ``EncoderOnlyAttention`` layers of pooling models: bidirectional, no KV cache), where
+        the attn_di backend runs that type (decoder, encoder-only)."""
+        name = _attn_type_name(attn_type)
+        return name in _ATTN_TYPES and bool(cls.attn_di_backend().supports_attn_type(name))
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:
@@ -199,8 +216,8 @@ class AttnDIBackend(VllmAttentionBackend):  # type: ignore[misc]
         **flags: bool,
     ) -> list[str]:
         """attn_di's reasons (:meth:`attn_di.backend.AttentionBackend.validate_configuration`)
-        for vLLM's configuration, plus "attention type X not supported" for anything but
-        decoder attention (the only type this adapter runs inside vLLM)."""
+        for vLLM's configuration, plus "attention type X not supported" for a type this
+        adapter does not run inside vLLM (anything but decoder and encoder-only attention)."""
         backend = cls.attn_di_backend()
         reasons = backend.validate_configuration(
             head_size,
@@ -216,9 +233,9 @@ class AttnDIBackend(VllmAttentionBackend):  # type: ignore[misc]
             use_per_head_quant_scales=use_per_head_quant_scales,
             **flags,
         )
-        decoder = AttentionType.DECODER.value
-        if str(getattr(attn_type, "value", attn_type)) != decoder:
-            reason = f"attention type {getattr(attn_type, 'value', attn_type)} not supported"
+        name = _attn_type_name(attn_type)
+        if name not in _ATTN_TYPES:
+            reason = f"attention type {name} not supported"
             if reason not in reasons:
                 reasons.append(reason)
         return list(reasons)
@@ -328,6 +345,7 @@ class AttnDIImpl(AttentionImpl[AttentionMetadata]):  # type: ignore[misc]
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
+        self._encoder_only = _attn_type_name(attn_type) == AttentionType.ENCODER_ONLY.value
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
         self._sinks_checked = sinks is None
@@ -352,7 +370,8 @@ class AttnDIImpl(AttentionImpl[AttentionMetadata]):  # type: ignore[misc]
             layer: vLLM's attention layer (passed on).
             query: ``[T, H, D]``; only the first ``attn_metadata.num_actual_tokens`` are real.
             key, value: ``[T, H_kv, D]``.
-            kv_cache: vLLM's ``[num_blocks, H_kv, block_size, 2 * D]`` view for this layer.
+            kv_cache: vLLM's ``[num_blocks, H_kv, block_size, 2 * D]`` view for this layer
+                (ignored for encoder-only layers, which have no cache).
             attn_metadata: the step's metadata from :class:`AttnDIMetadataBuilder`; None
                 while vLLM profiles or warms up (nothing is computed then).
             output: ``[T, H, D]`` (or ``[T, H * D]``), written in place.
@@ -372,6 +391,10 @@ class AttnDIImpl(AttentionImpl[AttentionMetadata]):  # type: ignore[misc]
             return output
         if not self._sinks_checked:
             self._attach_sinks()
+        if self._encoder_only:
+            # vLLM binds no cache to these layers (an empty tensor): attn_di attends over the
+            # step's own keys and values, bidirectionally (vLLM's builder set causal=False).
+            kv_cache = query.new_empty(0)
         if kv_cache is not self._kv_source:
             self._kv_view = kv_cache_view(kv_cache) if kv_cache.dim() == 4 else kv_cache
             self._kv_source = kv_cache
