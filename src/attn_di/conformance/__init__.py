@@ -23,7 +23,7 @@ Importing this package does not import torch; running a cell does.
 """
 
 from attn_di.conformance._case import BAD_INPUTS, CHECKS, DTYPES, GQA, KINDS, Case, Outcome
-from attn_di.conformance._driver import Capabilities, Driver, register_driver
+from attn_di.conformance._driver import BoundBatch, Capabilities, Driver, register_driver
 from attn_di.conformance._pytest import conformance_tests
 from attn_di.conformance._report import CellResult, ConformanceReport
 from attn_di.conformance._runner import plan_conformance, run_conformance
@@ -35,6 +35,7 @@ __all__ = [
     "DTYPES",
     "GQA",
     "KINDS",
+    "BoundBatch",
     "Capabilities",
     "Case",
     "CellResult",

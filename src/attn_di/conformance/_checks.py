@@ -164,6 +164,9 @@ def _differs(after: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
 
 def _cache_problem(problem: Problem, bound: BoundBatch) -> str | None:
     """Whether ``forward`` wrote exactly the batch's keys and values at their slots."""
+    found = bound.cache_problem()
+    if found is not None:
+        return found
     after = bound.cache()
     if after is None or problem.cache is None or problem.slots is None:
         return None

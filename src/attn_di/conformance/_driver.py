@@ -94,6 +94,13 @@ class BoundBatch(abc.ABC):
         """``forward`` with one input malformed (one of :data:`~attn_di.conformance.BAD_INPUTS`);
         a conformant backend raises a typed error."""
 
+    def cache_problem(self) -> str | None:
+        """What the driver itself found wrong with the last :meth:`forward`'s cache write, for
+        a cache :meth:`cache` cannot show in the logical layout (a block interior private to
+        the backend, as vLLM's CPU backend packs it); None when it found nothing. The kit
+        reports it as it reports its own comparison of :meth:`cache`."""
+        return None
+
 
 class Driver(abc.ABC):
     """The kit's view of one backend class through one contract.
@@ -161,32 +168,55 @@ class Driver(abc.ABC):
         return facts
 
 
-_DRIVERS: list[type[Driver] | str] = []
+_DRIVERS: list[tuple[type[Driver] | str, tuple[str, ...]]] = []
 _DRIVERS_LOCK = threading.Lock()
 
 
-def register_driver(driver: type[Driver] | str) -> None:
+def register_driver(driver: type[Driver] | str, *, bases: Sequence[str] = ()) -> None:
     """Make a driver known to target resolution; later registrations are tried first.
 
     Args:
         driver: a :class:`Driver` subclass, or its class path (imported when a target is
             first resolved, so registering costs no import).
+        bases: class paths (``"pkg.mod:Cls"``); when given, the driver is imported and asked
+            only for targets with one of them among their bases (their MRO), compared by
+            name, so a driver for another framework's contract costs nothing, and needs
+            nothing installed, for every other target.
     """
+    entry = (driver, tuple(bases))
     with _DRIVERS_LOCK:
-        if driver not in _DRIVERS:
-            _DRIVERS.append(driver)
+        if entry not in _DRIVERS:
+            _DRIVERS.append(entry)
 
 
-def driver_classes() -> list[type[Driver]]:
-    """The registered drivers, most recent first, then :class:`InterfaceDriver`."""
+def driver_classes(backend_cls: object = None) -> list[type[Driver]]:
+    """The registered drivers, most recent first, then :class:`InterfaceDriver`.
+
+    Args:
+        backend_cls: when given, drivers registered with ``bases`` that are not among its
+            bases are left out (and not imported).
+    """
     from attn_di._paths import import_class_path
 
     with _DRIVERS_LOCK:
         registered = list(_DRIVERS)
+    mro = {
+        f"{klass.__module__}:{klass.__qualname__}" for klass in getattr(backend_cls, "__mro__", ())
+    }
     found: list[type[Driver]] = []
-    for driver in reversed(registered):
+    for driver, bases in reversed(registered):
+        if bases and backend_cls is not None and not mro.intersection(bases):
+            continue
         found.append(import_class_path(driver, "driver") if isinstance(driver, str) else driver)
     return [*found, InterfaceDriver]
+
+
+# vLLM's v1 backends: driven through vLLM's own contract (attn_di.integrations.vllm), imported
+# only for a subclass of vLLM's AttentionBackend (so only where vLLM is installed).
+register_driver(
+    "attn_di.integrations.vllm._conformance:VllmDriver",
+    bases=("vllm.v1.attention.backend:AttentionBackend",),
+)
 
 
 # -- attn_di's interface ---------------------------------------------------------------------

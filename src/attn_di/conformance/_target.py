@@ -55,7 +55,7 @@ def resolve_driver(target: object) -> Driver:
         and what :func:`resolve_target` raises.
     """
     backend_cls, name = resolve_target(target)
-    for driver_cls in driver_classes():
+    for driver_cls in driver_classes(backend_cls):
         if driver_cls.accepts(backend_cls):
             return driver_cls(backend_cls, name)
     raise InvalidBackendTypeError(
