@@ -70,7 +70,11 @@ another dtype, keys with the wrong number of KV heads, a cache of the wrong head
 slot past the cache's end, a block number past the cache's end, ``seq_lens`` with an entry
 too many, an ``output=`` buffer of the wrong shape."""
 
-_CHECK_TOKENS = {"determinism": "determinism", "batch_invariance": "invariance", "threads": "threads"}
+_CHECK_TOKENS = {
+    "determinism": "determinism",
+    "batch_invariance": "invariance",
+    "threads": "threads",
+}
 
 
 class Outcome(enum.StrEnum):
@@ -224,7 +228,7 @@ class Case:
 
     @property
     def id(self) -> str:
-        """The readable, unique name of the cell, e.g. ``"bf16-gqa4-decode-len150-window50-block16"``.
+        """The readable, unique name of the cell: ``bf16-gqa4-decode-len150-window50-block16``.
 
         Tokens, in order: the dtype; ``h<D>`` unless 64; the grouping; the kind;
         ``len<n>``; ``window<w>``; ``softcap<c>``; ``alibi``; ``sinks``; ``block<b>`` (cache
