@@ -132,8 +132,7 @@ def sequence_attention(
             dtype's own error.
 
     Returns:
-        ``[q, num_heads, head_size]`` in ``dtype``. A query that sees no key and has no
-        sink gets NaN (the softmax of nothing).
+        ``[q, num_heads, head_size]`` in ``dtype``.
     """
     import torch
 
