@@ -24,7 +24,12 @@ __all__ = [
     "run_conformance",
 ]
 
-REFUSALS: tuple[type[BaseException], ...] = (AttnDIError, NotImplementedError, ValueError, TypeError)
+REFUSALS: tuple[type[BaseException], ...] = (
+    AttnDIError,
+    NotImplementedError,
+    ValueError,
+    TypeError,
+)
 """What counts as a typed refusal of an undeclared cell: attn_di's errors and the builtins
 vLLM's impls raise for what they do not support."""
 TYPED_ERRORS: tuple[type[BaseException], ...] = (*REFUSALS, LookupError)
@@ -89,10 +94,11 @@ class ConformancePlan:
         return run_in_process(self.driver, case, self.seed, self.rerun(case))
 
     def run(self, progress: Progress | None = None) -> ConformanceReport:
-        """Run every cell; the subprocess of the ``bad_input`` cells runs meanwhile."""
+        """Run every cell: those in process first, then the ``bad_input`` ones in a
+        subprocess (after, not meanwhile: two processes' thread pools on the same cores
+        slow both down many times)."""
         from attn_di.conformance._isolated import IsolatedRun
 
-        cases = self.cases()
         report = ConformanceReport(
             target=self.target,
             backend_name=self.driver.backend_name,
@@ -102,30 +108,29 @@ class ConformancePlan:
             environment=self.driver.environment(),
         )
         total = len(self)
-        isolated_cases = [c for c in self.cases() if c.check == "bad_input"]
-        isolated = IsolatedRun(self, isolated_cases) if isolated_cases else None
         pending: list[Case] = []
         done = 0
-        try:
-            for case in cases:
-                if case.check == "bad_input":
-                    pending.append(case)
-                    continue
-                result = run_in_process(self.driver, case, self.seed, self.rerun(case))
-                report.results.append(result)
-                done += 1
-                if progress is not None:
-                    progress(result, done, total)
-            if isolated is not None:
+
+        def record(result: CellResult) -> None:
+            nonlocal done
+            report.results.append(result)
+            done += 1
+            if progress is not None:
+                progress(result, done, total)
+
+        for case in self.cases():
+            if case.check == "bad_input":
+                pending.append(case)
+            else:
+                record(run_in_process(self.driver, case, self.seed, self.rerun(case)))
+        if pending:
+            isolated = IsolatedRun(self, pending)
+            try:
                 found = isolated.results()
-                for case in pending:
-                    report.results.append(found[case.id])
-                    done += 1
-                    if progress is not None:
-                        progress(found[case.id], done, total)
-        finally:
-            if isolated is not None:
+            finally:
                 isolated.close()
+            for case in pending:
+                record(found[case.id])
         return report
 
 
@@ -195,7 +200,9 @@ def _dtype(dtype: object) -> str:
     name = dtype_name(dtype)
     if name not in DTYPES:
         raise InvalidInputError(
-            "dtypes", f"{dtype!r} is not one of the matrix's dtypes", hint="one of " + ", ".join(DTYPES)
+            "dtypes",
+            f"{dtype!r} is not one of the matrix's dtypes",
+            hint="one of " + ", ".join(DTYPES),
         )
     return name
 
@@ -243,7 +250,7 @@ def result_from_json(case: Case, data: dict[str, Any]) -> CellResult:
         declared=bool(data["declared"]),
         max_error=None if max_error is None else float(max_error),
         tolerance=data.get("tolerance"),
-        first_wrong=[tuple(p) for p in data.get("first_wrong", [])],  # type: ignore[misc]
+        first_wrong=[(int(t), int(h), int(d)) for t, h, d in data.get("first_wrong", [])],
         reason=data.get("reason"),
         rerun=data.get("rerun", ""),
         seconds=float(data.get("seconds", 0.0)),
