@@ -1,0 +1,332 @@
+"""The mutants of tests/conformance/mutants.py: each is really broken where it says, and
+right elsewhere (checked here against tests/backends/reference.py on hand-made batches).
+
+Errors are measured against the float64 reference, on caches dirty (NaN) outside the
+written slots; "right" is within the budgets of tests/backends/test_correctness.py
+(float32 1e-4), "wrong" an error of at least 1e-2 (or NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from attn_di.backend import AttentionBackend, AttentionMetadataBuilder
+from attn_di.backends.torch_sdpa import TorchSDPABackend
+from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
+from attn_di.reference import reference_attention as paged_reference
+from tests.backends.reference import Batch, Options, make_batch, reference_attention
+from tests.conformance import mutants
+from tests.conformance.mutants import MUTANTS, Mutant
+
+ROOT = Path(__file__).resolve().parents[2]
+RIGHT = 1e-4  # float32's budget
+WRONG = 1e-2
+
+
+def _forward(backend: type[AttentionBackend], opts: Options, batch: Batch) -> torch.Tensor:
+    impl = backend.get_impl_cls()(**opts.impl_kwargs())
+    return impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+
+
+def _error(
+    backend: type[AttentionBackend],
+    opts: Options,
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 4,
+    fill: str = "nan",
+) -> float:
+    """Largest absolute error against the float64 reference (NaN counts as infinite)."""
+    batch = make_batch(opts, query_lens, seq_lens, block_size, dtype, fill=fill)
+    error = (_forward(backend, opts, batch).double() - reference_attention(opts, batch)).abs()
+    return float(error.nan_to_num(torch.inf).max())
+
+
+GQA = Options(num_heads=8, num_kv_heads=2, head_size=32)
+MIXED = ([5, 1, 3], [5, 9, 12])  # a prefill, a decode, a chunk over a cached prefix
+ALIBI = [2.0 ** -(h + 1) for h in range(8)]
+
+
+@dataclasses.dataclass
+class Check:
+    """A batch on which a mutant must be wrong, and one on which it must be right."""
+
+    wrong: dict[str, Any]
+    right: dict[str, Any]
+
+
+def _case(
+    opts: Options = GQA,
+    query_lens: list[int] | None = None,
+    seq_lens: list[int] | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """Keyword arguments of :func:`_error`: GQA on MIXED unless said."""
+    lens = {"query_lens": query_lens or MIXED[0], "seq_lens": seq_lens or MIXED[1]}
+    return {"opts": opts, **lens, **kw}
+
+
+# The mutants whose bug shows on one batch against the reference.
+NUMERIC_CHECKS: dict[type[Mutant], Check] = {
+    mutants.WindowOffByOne: Check(
+        _case(dataclasses.replace(GQA, sliding_window=3)),
+        _case(dataclasses.replace(GQA, sliding_window=64)),  # wider than every sequence
+    ),
+    mutants.SoftCapIgnored: Check(_case(dataclasses.replace(GQA, logits_soft_cap=2.0)), _case()),
+    mutants.AlibiIgnored: Check(_case(dataclasses.replace(GQA, alibi_slopes=ALIBI)), _case()),
+    mutants.SinksIgnored: Check(
+        _case(dataclasses.replace(GQA, sinks=torch.linspace(-1.0, 2.0, 8))), _case()
+    ),
+    mutants.DeclaresSoftCap: Check(_case(dataclasses.replace(GQA, logits_soft_cap=2.0)), _case()),
+    # head_size 1: scale 1, and 1 * 1 == 1
+    mutants.ScaleTwice: Check(_case(), _case(Options(8, 2, 1))),
+    mutants.WrongKVHeads: Check(_case(), _case(Options(8, 1, 32))),  # MQA maps every head right
+    mutants.ChunkedCausalOffset: Check(
+        _case(query_lens=[3], seq_lens=[12]), _case(query_lens=[5, 1], seq_lens=[5, 9])
+    ),
+    mutants.WrongPrefill: Check(
+        _case(query_lens=[5], seq_lens=[5]), _case(query_lens=[1, 1], seq_lens=[9, 4])
+    ),
+    mutants.ReadsPastSeqLen: Check(_case(), _case(fill="zero")),
+    mutants.BlockTableIgnored: Check(_case(), _case(dataclasses.replace(GQA, encoder_only=True))),
+    mutants.FailsUndeclared: Check(
+        _case(dataclasses.replace(GQA, sinks=torch.linspace(-1.0, 2.0, 8))), _case()
+    ),
+}
+
+
+@pytest.mark.parametrize("mutant", list(NUMERIC_CHECKS), ids=lambda m: m.__name__)
+def test_mutant_is_wrong_where_it_should_be_and_right_elsewhere(mutant: type[Mutant]) -> None:
+    """Its bug shows on the batch made for it; another batch, without that feature, is right."""
+    check = NUMERIC_CHECKS[mutant]
+
+    assert _error(mutant, **check.wrong) >= WRONG
+    assert _error(mutant, **check.right) <= RIGHT
+
+
+def test_bf16_accumulation_is_worse_than_naive_bf16_over_a_long_context() -> None:
+    """Over 2048 keys its error is many times TORCH_SDPA's in bf16; over one chunk it is of
+    the same order (both round to bf16), and float32 (not its path) is right."""
+    long_case = _case(Options(4, 2, 64), [1], [2048], dtype=torch.bfloat16, block_size=16)
+    float32_case = {**long_case, "dtype": torch.float32}
+    short_case = _case(Options(4, 2, 64), [1], [mutants.ACCUMULATION_CHUNK], dtype=torch.bfloat16)
+
+    pair = (TorchSDPABackend, mutants.Bf16Accumulation)
+    base_long, long_error = (_error(b, **long_case) for b in pair)
+    base_short, short_error = (_error(b, **short_case) for b in pair)
+
+    assert long_error > 8 * base_long
+    assert short_error < 4 * base_short + 2**-8
+    assert _error(mutants.Bf16Accumulation, **float32_case) <= RIGHT
+
+
+def _batch() -> tuple[Options, Batch]:
+    return GQA, make_batch(GQA, *MIXED, 4, torch.float32)
+
+
+def test_block_table_ignored_is_right_on_an_identity_table() -> None:
+    """One sequence in blocks 0, 1, 2 (in order) with a cached prefix: the table it ignores
+    says what it assumes."""
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, 3, 4, 2, 32, generator=gen)
+    metadata = AttentionMetadataBuilder(4).build([3], [11], [[0, 1, 2]])
+    query, key, value = (torch.randn(3, h, 32, generator=gen) for h in (8, 2, 2))
+    reference = paged_reference(query, key, value, kv_cache, metadata, scale=32**-0.5)
+    impl = mutants.BlockTableIgnored.get_impl_cls()(8, 32, 32**-0.5, 2)
+
+    result = impl.forward(None, query, key, value, kv_cache, metadata)
+
+    assert torch.allclose(result.double(), reference, atol=RIGHT)
+
+
+def test_batch_position_dependent_is_right_for_the_first_request_only() -> None:
+    """The first request's rows equal TORCH_SDPA's bit for bit; the others are off."""
+    opts, batch = _batch()
+    expected = _forward(TorchSDPABackend, opts, batch)
+    batch = make_batch(opts, *MIXED, 4, torch.float32)
+
+    result = _forward(mutants.BatchPositionDependent, opts, batch)
+
+    first = MIXED[0][0]
+    assert torch.equal(result[:first], expected[:first])
+    assert float((result[first:] - expected[first:]).abs().max()) >= WRONG * 1e-1
+
+
+def test_nondeterministic_differs_between_identical_calls_by_an_ulp() -> None:
+    """Two calls on the same inputs (and the same global seed) differ bitwise, each within
+    one ulp of TORCH_SDPA's answer everywhere."""
+    opts, _ = _batch()
+    expected = _forward(TorchSDPABackend, opts, make_batch(opts, *MIXED, 4, torch.float32))
+    results = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        results.append(
+            _forward(mutants.Nondeterministic, opts, make_batch(opts, *MIXED, 4, torch.float32))
+        )
+
+    assert not torch.equal(results[0], results[1])
+    for result in results:
+        ulp = torch.nextafter(expected, torch.full_like(expected, torch.inf)) - expected
+        assert bool(((result - expected).abs() <= ulp).all())
+
+
+def test_output_arg_ignored_leaves_the_buffer_and_returns_the_answer() -> None:
+    """The returned tensor is right; the ``output=`` buffer keeps what it held."""
+    opts, batch = _batch()
+    impl = mutants.OutputArgIgnored.get_impl_cls()(**opts.impl_kwargs())
+    output = torch.full((batch.query.shape[0], 8 * 32), -7.0)
+
+    result = impl.forward(
+        None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, output
+    )
+
+    assert result is not output
+    assert bool((output == -7.0).all())
+    assert float((result.double() - reference_attention(opts, batch)).abs().max()) <= RIGHT
+
+
+def test_thread_unsafe_is_right_alone_and_wrong_with_two_threads() -> None:
+    """Alone (main thread) it is right; two threads calling one impl at once on different
+    batches get at least one wrong answer."""
+    opts = GQA
+    impl = mutants.ThreadUnsafe.get_impl_cls()(**opts.impl_kwargs())
+    batches = [make_batch(opts, *MIXED, 4, torch.float32, seed=seed) for seed in (1, 2)]
+    references = [reference_attention(opts, b) for b in batches]
+    alone = impl.forward(None, *_inputs(batches[0]))
+    results: dict[int, torch.Tensor] = {}
+    barrier = threading.Barrier(2)
+
+    def call(index: int) -> None:
+        barrier.wait()
+        results[index] = impl.forward(None, *_inputs(batches[index]))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert float((alone.double() - references[0]).abs().max()) <= RIGHT
+    errors = [
+        float((results[i].double() - references[i]).abs().nan_to_num(torch.inf).max())
+        for i in range(2)
+    ]
+    assert max(errors) >= WRONG
+
+
+def _inputs(batch: Batch) -> tuple[Any, ...]:
+    return batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+
+
+CRASH_SCRIPT = """
+import torch
+from tests.backends.reference import Options, make_batch
+from tests.conformance.mutants import CrashOnBadInput
+
+opts = Options(8, 2, 32)
+batch = make_batch(opts, [5, 1], [5, 9], 4, torch.float32)
+impl = CrashOnBadInput.get_impl_cls()(**opts.impl_kwargs())
+query = batch.query if {good} else batch.query[:, :4]  # 4 heads instead of 8
+impl.forward(None, query, batch.key, batch.value, batch.kv_cache, batch.metadata)
+print("ran")
+"""
+
+
+def _subprocess_env() -> dict[str, str]:
+    """The environment of a child Python that imports this checkout's tests and src."""
+    inherited = os.environ.get("PYTHONPATH")
+    path = [str(ROOT), str(ROOT / "src"), *([inherited] if inherited else [])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+@pytest.mark.parametrize("good", [True, False], ids=["good-input", "bad-input"])
+def test_crash_on_bad_input_aborts_the_process(good: bool) -> None:
+    """A good batch runs; a query with the wrong number of heads (TORCH_SDPA: a typed
+    InvalidInputError) kills the process with SIGABRT."""
+    script = textwrap.dedent(CRASH_SCRIPT).format(good=good)
+
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    if good:
+        assert (done.returncode, done.stdout.strip()) == (0, "ran"), done.stderr
+    else:
+        assert done.returncode == -signal.SIGABRT, done.stderr
+
+
+def test_base_refuses_what_crash_on_bad_input_crashes_on() -> None:
+    """The same bad input, in TORCH_SDPA itself, is a typed error (what the kit expects)."""
+    opts, batch = _batch()
+    impl = TorchSDPABackend.get_impl_cls()(**opts.impl_kwargs())
+
+    with pytest.raises(InvalidInputError, match="query"):
+        impl.forward(None, batch.query[:, :4], *_inputs(batch)[1:])
+
+
+@pytest.mark.parametrize(
+    "mutant", [mutants.WorksUndeclared, mutants.FailsUndeclared], ids=lambda m: m.__name__
+)
+def test_undeclared_sinks_are_refused_by_validation_and_accepted_by_the_impl(
+    mutant: type[Mutant],
+) -> None:
+    """``validate_configuration(has_sink=True)`` refuses sinks; the impl takes them (no
+    UnsupportedFeatureError), and WorksUndeclared computes them right."""
+    reasons = mutant.validate_configuration(
+        head_size=32,
+        dtype=torch.float32,
+        kv_cache_dtype="auto",
+        block_size=4,
+        use_mla=False,
+        has_sink=True,
+        use_sparse=False,
+        device_capability=None,
+    )
+    opts = dataclasses.replace(GQA, sinks=torch.linspace(-1.0, 2.0, 8))
+
+    error = _error(mutant, opts, *MIXED)
+
+    assert reasons == ["sink setting not supported"]
+    assert not mutant.supports_sink()
+    assert (error <= RIGHT) == (mutant is mutants.WorksUndeclared)
+
+
+def test_declares_soft_cap_declares_it() -> None:
+    """DeclaresSoftCap takes ``logits_soft_cap`` where TORCH_SDPA refuses it."""
+    opts = dataclasses.replace(GQA, logits_soft_cap=2.0)
+    with pytest.raises(UnsupportedFeatureError, match="logits_soft_cap"):
+        TorchSDPABackend.get_impl_cls()(**opts.impl_kwargs())
+
+    impl = mutants.DeclaresSoftCap.get_impl_cls()(**opts.impl_kwargs())
+
+    assert impl.logits_soft_cap == 2.0
+
+
+def test_every_mutant_is_a_named_subclass_of_a_correct_backend() -> None:
+    """Names are unique (``MUTANT_...``), each impl's ``backend`` is its own class, and
+    every mutant is listed in MUTANTS and ``__all__``."""
+    names = [m.get_name() for m in MUTANTS]
+    listed = {name for name in mutants.__all__ if isinstance(getattr(mutants, name), type)}
+
+    assert len(set(names)) == len(MUTANTS) >= 15
+    assert all(name.startswith("MUTANT_") for name in names)
+    assert all(m.get_impl_cls().backend is m for m in MUTANTS)
+    assert {m.__name__ for m in MUTANTS} == listed - {"Mutant"}
+    assert mutants.ScaleTwice.get_name() == "MUTANT_SCALE_TWICE"
