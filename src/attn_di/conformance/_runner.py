@@ -1,0 +1,250 @@
+"""Running cells: :func:`plan_conformance` (which cells, through which driver) and
+:func:`run_conformance` (run them all, the ``bad_input`` ones in a subprocess)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from attn_di.backend import dtype_name
+from attn_di.conformance._case import DTYPES, Case, Outcome
+from attn_di.conformance._driver import Driver
+from attn_di.conformance._report import CellResult, ConformanceReport
+from attn_di.exceptions import AttnDIError, InvalidInputError
+
+if TYPE_CHECKING:
+    from attn_di.conformance._matrix import Matrix
+
+__all__ = [
+    "REFUSALS",
+    "TYPED_ERRORS",
+    "ConformancePlan",
+    "plan_conformance",
+    "run_conformance",
+]
+
+REFUSALS: tuple[type[BaseException], ...] = (AttnDIError, NotImplementedError, ValueError, TypeError)
+"""What counts as a typed refusal of an undeclared cell: attn_di's errors and the builtins
+vLLM's impls raise for what they do not support."""
+TYPED_ERRORS: tuple[type[BaseException], ...] = (*REFUSALS, LookupError)
+"""What counts as a typed error for a malformed input (``IndexError`` for an index out of
+range too); ``RuntimeError``, ``AssertionError`` and the rest do not."""
+
+Progress = Callable[[CellResult, int, int], None]
+"""``progress(result, done, total)``, called after each cell."""
+
+
+class ConformancePlan:
+    """The cells of one run and how to run each (what :func:`run_conformance` and
+    :func:`~attn_di.conformance.conformance_tests` share).
+
+    Attributes:
+        driver: the backend's driver.
+        seed: the run's seed.
+        full: whether the matrix is the full product.
+        matrix: the cells (or the ``case_ids`` given).
+    """
+
+    def __init__(
+        self, driver: Driver, matrix: Matrix | Sequence[Case], *, seed: int, full: bool
+    ) -> None:
+        self.driver = driver
+        self.seed = seed
+        self.full = full
+        self.matrix = matrix
+        self._subprocess_results: dict[str, CellResult] | None = None
+
+    @property
+    def target(self) -> str:
+        """The target as commands name it."""
+        return self.driver.target
+
+    def __len__(self) -> int:
+        return len(self.matrix)
+
+    def cases(self) -> Iterator[Case]:
+        """The cells, in order."""
+        return iter(self.matrix)
+
+    def rerun(self, case: Case) -> str:
+        """The one-line command that re-runs ``case`` alone."""
+        return f"attn-di conform {self.target} --case {case.id} --seed {self.seed}"
+
+    def run_case(self, case: Case) -> CellResult:
+        """Run one cell (a ``bad_input`` one in a subprocess, with all of the plan's other
+        ``bad_input`` cells the first time one is asked for)."""
+        if case.check == "bad_input":
+            if self._subprocess_results is None or case.id not in self._subprocess_results:
+                from attn_di.conformance._isolated import run_isolated
+
+                wanted = [c for c in self.cases() if c.check == "bad_input"]
+                if case not in wanted:
+                    wanted = [case]
+                self._subprocess_results = {
+                    **(self._subprocess_results or {}),
+                    **run_isolated(self, wanted),
+                }
+            return self._subprocess_results[case.id]
+        return run_in_process(self.driver, case, self.seed, self.rerun(case))
+
+    def run(self, progress: Progress | None = None) -> ConformanceReport:
+        """Run every cell; the subprocess of the ``bad_input`` cells runs meanwhile."""
+        from attn_di.conformance._isolated import IsolatedRun
+
+        cases = self.cases()
+        report = ConformanceReport(
+            target=self.target,
+            backend_name=self.driver.backend_name,
+            seed=self.seed,
+            full=self.full,
+            driver=self.driver.name,
+            environment=self.driver.environment(),
+        )
+        total = len(self)
+        isolated_cases = [c for c in self.cases() if c.check == "bad_input"]
+        isolated = IsolatedRun(self, isolated_cases) if isolated_cases else None
+        pending: list[Case] = []
+        done = 0
+        try:
+            for case in cases:
+                if case.check == "bad_input":
+                    pending.append(case)
+                    continue
+                result = run_in_process(self.driver, case, self.seed, self.rerun(case))
+                report.results.append(result)
+                done += 1
+                if progress is not None:
+                    progress(result, done, total)
+            if isolated is not None:
+                found = isolated.results()
+                for case in pending:
+                    report.results.append(found[case.id])
+                    done += 1
+                    if progress is not None:
+                        progress(found[case.id], done, total)
+        finally:
+            if isolated is not None:
+                isolated.close()
+        return report
+
+
+def plan_conformance(
+    target: object,
+    *,
+    full: bool = False,
+    seed: int = 0,
+    dtypes: Sequence[str] | None = None,
+    case_ids: Sequence[str] | None = None,
+) -> ConformancePlan:
+    """Which cells a run has and how it runs them, without running any.
+
+    Args: as :func:`run_conformance`.
+
+    Raises:
+        InvalidInputError: an unknown dtype or a malformed case id.
+        and what target resolution raises (an unknown name, a path that does not import).
+    """
+    from attn_di.conformance._matrix import build_matrix
+    from attn_di.conformance._target import resolve_driver
+
+    wanted = None if dtypes is None else [_dtype(d) for d in dtypes]
+    cases = None if case_ids is None else [Case.from_id(case_id) for case_id in case_ids]
+    driver = resolve_driver(target)
+    if cases is not None:
+        if wanted is not None:
+            cases = [case for case in cases if case.dtype in wanted]
+        return ConformancePlan(driver, cases, seed=int(seed), full=full)
+    matrix = build_matrix(driver.capabilities(), seed=int(seed), full=full, dtypes=wanted)
+    return ConformancePlan(driver, matrix, seed=int(seed), full=full)
+
+
+def run_conformance(
+    target: object,
+    *,
+    full: bool = False,
+    seed: int = 0,
+    dtypes: Sequence[str] | None = None,
+    case_ids: Sequence[str] | None = None,
+    progress: Progress | None = None,
+) -> ConformanceReport:
+    """Run the conformance matrix on a backend.
+
+    Args:
+        target: a backend class, an ``AttentionBackendEnum`` member, a member name
+            (``"CPU_ATTN"``, runtime members too) or a class path (``"pkg.mod:Cls"``).
+        full: the full product of the axes instead of the default pairwise cells (long).
+        seed: picks the pairwise cells and every cell's random data.
+        dtypes: only cells of these dtypes (``"bfloat16"``, ``"bf16"``, ``torch.float16``).
+        case_ids: only these cells (ids as :attr:`Case.id`), whatever the matrix.
+        progress: called after each cell with ``(result, done, total)``.
+
+    Returns:
+        The :class:`ConformanceReport`; ``report.ok`` says whether the backend conforms.
+
+    Raises:
+        UnknownBackendError, BackendImportError, InvalidBackendTypeError: a target that does
+            not name a backend class.
+        InvalidInputError: an unknown dtype or a malformed case id.
+    """
+    plan = plan_conformance(target, full=full, seed=seed, dtypes=dtypes, case_ids=case_ids)
+    return plan.run(progress)
+
+
+def _dtype(dtype: object) -> str:
+    name = dtype_name(dtype)
+    if name not in DTYPES:
+        raise InvalidInputError(
+            "dtypes", f"{dtype!r} is not one of the matrix's dtypes", hint="one of " + ", ".join(DTYPES)
+        )
+    return name
+
+
+# -- one cell ----------------------------------------------------------------------------
+
+
+def run_in_process(driver: Driver, case: Case, seed: int, rerun: str) -> CellResult:
+    """Run one cell here (any check but ``bad_input``, which :func:`run_bad_input` runs)."""
+    from attn_di.conformance import _checks
+
+    started = time.perf_counter()
+    reasons = driver.reasons(case)
+    declared = not reasons
+    try:
+        if case.check == "bad_input":
+            verdict = _checks.bad_input(driver, case, seed)
+        else:
+            verdict = _checks.CHECKS[case.check](driver, case, seed, driver.capabilities())
+    except _checks.Raised as raised:
+        verdict = _checks.Verdict.from_raised(raised, declared, reasons, case)
+    outcome = verdict.outcome(declared)
+    reason = verdict.reason
+    if outcome is Outcome.REFUSED and reasons:
+        reason = f"{driver.backend_name}: {'; '.join(reasons)}" + (f" ({reason})" if reason else "")
+    return CellResult(
+        case=case,
+        outcome=outcome,
+        declared=declared,
+        max_error=verdict.max_error,
+        tolerance=verdict.tolerance,
+        first_wrong=list(verdict.first_wrong),
+        reason=reason,
+        rerun=rerun,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def result_from_json(case: Case, data: dict[str, Any]) -> CellResult:
+    """A :class:`CellResult` from :meth:`CellResult.to_json`'s data."""
+    max_error = data.get("max_error")
+    return CellResult(
+        case=case,
+        outcome=Outcome(data["outcome"]),
+        declared=bool(data["declared"]),
+        max_error=None if max_error is None else float(max_error),
+        tolerance=data.get("tolerance"),
+        first_wrong=[tuple(p) for p in data.get("first_wrong", [])],  # type: ignore[misc]
+        reason=data.get("reason"),
+        rerun=data.get("rerun", ""),
+        seconds=float(data.get("seconds", 0.0)),
+    )

@@ -1,0 +1,107 @@
+"""The tolerance rule: how far from the float64 reference a backend's output may be.
+
+The tolerance comes from the dtype itself, on the cell's own inputs, as PyTorch's SDPA and
+flex-attention tests derive theirs: the same attention is computed naively in the model
+dtype (inputs in the dtype, every matmul, the soft cap, the bias and the softmax in the
+dtype: :func:`attn_di.reference.sequence_attention` with ``dtype=``), and its error against
+float64 measured. For every sequence ``i`` and query head ``h``::
+
+    tolerance[i, h] = max(FACTOR * max |naive - reference|   over the (i, h) outputs,
+                          ULPS * eps(dtype) * max |reference| over the (i, h) outputs)
+
+where ``eps`` is ``torch.finfo(dtype).eps``. A backend passes a cell when every real output
+element ``(token, head, dim)`` is finite and within its ``(sequence, head)`` tolerance. The
+floor keeps cells whose naive error is zero (a sequence of one token returns its value
+exactly) from demanding an exact answer. A backend that accumulates in the model dtype over
+a long context (a running sum of ``exp`` in bfloat16) is many times past the naive error,
+which rounds each operation's result but accumulates inside each operation in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FACTOR", "ULPS", "Judgement", "judge", "tolerance_rule"]
+
+FACTOR = 4.0
+"""How many times the naive dtype computation's error a backend may make."""
+ULPS = 2.0
+"""The floor, in ``eps(dtype)`` times the largest reference output of the (sequence, head)."""
+
+_POSITIONS = 5
+
+
+def tolerance_rule(
+    reference: torch.Tensor,
+    naive: torch.Tensor,
+    dtype: torch.dtype,
+    sequence_of_token: torch.Tensor,
+) -> torch.Tensor:
+    """The per-element tolerance of a cell (the rule in this module's docstring).
+
+    Args:
+        reference: ``[N, H, D]`` float64, the reference output of the real tokens.
+        naive: ``[N, H, D]``, the same attention computed naively in ``dtype``.
+        dtype: the model dtype.
+        sequence_of_token: ``[N]`` int64, the batch index of each token.
+
+    Returns:
+        ``[N, H, D]`` float64 tolerances (equal over each sequence and head).
+    """
+    import torch
+
+    eps = torch.finfo(dtype).eps
+    error = (naive.double() - reference).abs().nan_to_num(nan=torch.inf).amax(dim=-1)  # [N, H]
+    magnitude = reference.abs().amax(dim=-1)
+    seqs = int(sequence_of_token.max()) + 1 if sequence_of_token.numel() else 0
+    heads = reference.shape[1]
+    index = sequence_of_token[:, None].expand(-1, heads)
+    worst = torch.zeros(seqs, heads, dtype=torch.float64).scatter_reduce(
+        0, index, error, "amax", include_self=True
+    )
+    largest = torch.zeros(seqs, heads, dtype=torch.float64).scatter_reduce(
+        0, index, magnitude, "amax", include_self=True
+    )
+    per_group = torch.maximum(FACTOR * worst, ULPS * eps * largest)
+    return per_group[sequence_of_token][:, :, None].expand_as(reference)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A comparison of an output with the reference.
+
+    Attributes:
+        ok: every element finite and within tolerance.
+        max_error: the largest absolute error (``inf`` for a NaN or Inf output).
+        tolerance: the tolerance at the element with the worst error-to-tolerance ratio.
+        first_wrong: the first ``(token, head, dim)`` positions beyond tolerance.
+    """
+
+    ok: bool
+    max_error: float
+    tolerance: float
+    first_wrong: list[tuple[int, int, int]]
+
+
+def judge(output: torch.Tensor, reference: torch.Tensor, tolerance: torch.Tensor) -> Judgement:
+    """Compare ``output`` ``[N, H, D]`` (any dtype) with ``reference`` under ``tolerance``."""
+    import torch
+
+    error = (output.double() - reference).abs()
+    error = torch.where(torch.isfinite(output.double()), error, torch.inf)
+    wrong = error > tolerance
+    if error.numel() == 0:
+        return Judgement(True, 0.0, 0.0, [])
+    ratio = error / tolerance.clamp_min(torch.finfo(torch.float64).tiny)
+    worst = int(torch.argmax(ratio.nan_to_num(nan=torch.inf)))
+    positions = [tuple(int(i) for i in p) for p in wrong.nonzero()[:_POSITIONS].tolist()]
+    return Judgement(
+        ok=not bool(wrong.any()),
+        max_error=float(error.max()),
+        tolerance=float(tolerance.reshape(-1)[worst]),
+        first_wrong=positions,  # type: ignore[misc]
+    )
