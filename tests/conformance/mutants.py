@@ -528,10 +528,11 @@ class OutputArgIgnored(Mutant, TorchSDPABackend):
 
 
 class _ThreadUnsafeImpl(_SdpaImpl):
-    """Keeps the call's inputs on the impl (not per thread) while it computes; off the main
-    thread a pause stands for a long kernel, so a second thread's call overwrites them."""
+    """Stages its result in one scratch buffer per impl (not per thread) and copies it out
+    after a pause (off the main thread: a long kernel), so a second thread's call writes its
+    own result there meanwhile and the first returns (part of) the second's."""
 
-    #: Seconds between storing the metadata and reading it back.
+    #: Seconds between staging the result and copying it out, off the main thread.
     pause: ClassVar[float] = 0.05
 
     def forward(
@@ -544,11 +545,16 @@ class _ThreadUnsafeImpl(_SdpaImpl):
         attn_metadata: AttentionMetadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self._shared = (query, key, value, attn_metadata)
+        result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        count = result.numel()
+        scratch: torch.Tensor | None = getattr(self, "_scratch", None)
+        if scratch is None or scratch.numel() < count or scratch.dtype != result.dtype:
+            scratch = self._scratch = result.new_empty(count)
+        scratch[:count].copy_(result.reshape(-1))
         if threading.current_thread() is not threading.main_thread():
-            time.sleep(self.pause)  # a long kernel, while another thread may call
-        query, key, value, attn_metadata = self._shared
-        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+            time.sleep(self.pause)
+        result.copy_(self._scratch[:count].view_as(result))
+        return result
 
 
 class ThreadUnsafe(Mutant, TorchSDPABackend):

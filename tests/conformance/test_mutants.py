@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from attn_di.backend import AttentionBackend, AttentionMetadataBuilder
+from attn_di.backends.cpu_attn import CPUAttentionBackend
 from attn_di.backends.torch_sdpa import TorchSDPABackend
+from attn_di.conformance import ConformanceReport, Outcome, plan_conformance, run_conformance
 from attn_di.exceptions import InvalidInputError, UnsupportedFeatureError
 from attn_di.reference import reference_attention as paged_reference
 from tests.backends.reference import Batch, Options, make_batch, reference_attention
@@ -330,3 +332,83 @@ def test_every_mutant_is_a_named_subclass_of_a_correct_backend() -> None:
     assert all(m.get_impl_cls().backend is m for m in MUTANTS)
     assert {m.__name__ for m in MUTANTS} == listed - {"Mutant"}
     assert mutants.ScaleTwice.get_name() == "MUTANT_SCALE_TWICE"
+
+
+# --- the kit's verdicts --------------------------------------------------------------------
+#
+# Each cell of a run is independent of the others (its batch follows from its id and the
+# run's seed), so the default run's verdict on a cell is that of a run of that cell alone.
+# A mutant is shown caught by the default run by running cells of the default plan that
+# carry its feature, one at a time (cheapest first), until one gets the verdict it is owed:
+# a few seconds per mutant instead of the whole default run.
+
+#: Features whose cells are tried first: the bug needs them to show (a long context).
+PREFER: dict[type[Mutant], str] = {mutants.Bf16Accumulation: "long_context"}
+
+
+def _target(mutant: type[Mutant]) -> str:
+    """The mutant's class path, as a user names a backend to ``attn-di conform``."""
+    return f"{mutant.__module__}:{mutant.__qualname__}"
+
+
+def _base(mutant: type[Mutant]) -> type[AttentionBackend]:
+    """The correct attn_di backend the mutant is made of."""
+    return next(c for c in mutant.__mro__ if c.__module__.startswith("attn_di.backends."))
+
+
+def _caught(mutant: type[Mutant]) -> tuple[ConformanceReport, ConformanceReport]:
+    """The first default-plan cell with the mutant's feature (cheapest first) that gets the
+    mutant's outcome and that the unmutated backend passes or refuses (the bug, not a false
+    alarm, made it fail): the mutant's report and the base's, one cell each."""
+    target = _target(mutant)
+    default = plan_conformance(target)
+    prefer = PREFER.get(mutant)
+    candidates = sorted(
+        (case for case in default.cases() if mutant.feature in case.features),
+        key=lambda case: (prefer is not None and prefer not in case.features, case.seq_len),
+    )
+    assert candidates, f"the default run has no cell with feature {mutant.feature!r}"
+    found = []
+    for case in candidates:
+        report = run_conformance(target, case_ids=[case.id])
+        if report.results[0].outcome is Outcome[mutant.outcome]:
+            control = run_conformance(_base(mutant), case_ids=[case.id])
+            if control.ok:
+                return report, control
+            found.append(control.results[0].line())
+    pytest.fail(
+        f"the default run misses {mutant.__name__}: none of its {len(candidates)} cells with "
+        f"feature {mutant.feature!r} is {mutant.outcome} where the unmutated backend conforms"
+        + "".join(f"\n  base: {line}" for line in found)
+    )
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.__name__)
+def test_default_run_catches_mutant(mutant: type[Mutant]) -> None:
+    """A cell of the default run that carries the mutant's feature gets the verdict the
+    mutant is owed (FAIL, CRASH, FAIL_UNDECLARED; WORKS_UNDECLARED for the one that is right),
+    the report is not ok (ok for that one), and the cell's report line and rerun command name
+    it; the unmutated backend passes (or refuses) that very cell."""
+    report, control = _caught(mutant)
+    (result,) = report.results
+
+    assert mutant.feature in result.case.features
+    assert report.ok is mutant.report_ok
+    assert (report.failures() == []) is mutant.report_ok
+    assert result.line().startswith(f"{result.outcome.value.upper()} {result.case.id}")
+    assert result.rerun.startswith(f"attn-di conform {_target(mutant)} --case {result.case.id}")
+    assert control.results[0].outcome in (Outcome.PASS, Outcome.REFUSED)
+
+
+BASES = [TorchSDPABackend, CPUAttentionBackend]
+
+
+@pytest.mark.parametrize("base", BASES, ids=lambda b: b.get_name())
+def test_default_run_of_the_unmutated_bases_is_ok(base: type[AttentionBackend]) -> None:
+    """No false alarm: the default run of each backend the mutants are made of is ok, with
+    no FAIL, FAIL_UNDECLARED or CRASH cell."""
+    report = run_conformance(base)
+
+    assert report.failures() == [], "\n".join(r.line() for r in report.failures())
+    assert report.ok
+    assert report.counts()["pass"] > 0
