@@ -64,7 +64,7 @@ def _module_blocks(package: str) -> str:
 
 def _help_blocks() -> str:
     sections = []
-    for command in ([], ["list"], ["select"], ["run"]):
+    for command in ([], ["list"], ["select"], ["run"], ["conform"]):
         title = " ".join(["attn-di", *command, "--help"])
         text = _run_help(command)
         sections.append(f"### `{title}`\n\n```text\n{text.rstrip()}\n```")

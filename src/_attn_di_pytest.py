@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-__all__ = ["MARKER", "pytest_configure"]
+__all__ = ["MARKER", "pytest_addoption", "pytest_collection_modifyitems", "pytest_configure"]
 
 MARKER = "attention_backend"
 
@@ -24,6 +24,8 @@ try:
         _attn_di_markers,
         attn_di_container,
         override_backend,
+        pytest_addoption,
+        pytest_collection_modifyitems,
         pytest_configure,
     )
 except ValueError as _error:
@@ -39,6 +41,18 @@ except ValueError as _error:
         config.addinivalue_line(
             "markers", f"{MARKER}(member, impl, *, local=False): attn_di could not start"
         )
+
+    def pytest_addoption(parser: pytest.Parser) -> None:
+        """The options, so that a command line naming them still parses."""
+        group = parser.getgroup("attn_di", "attn_di's conformance kit")
+        group.addoption("--attn-di-conform", action="append", default=[], metavar="TARGET")
+        group.addoption("--attn-di-conform-full", action="store_true", default=False)
+        group.addoption("--attn-di-conform-seed", type=int, default=0, metavar="N")
+
+    def pytest_collection_modifyitems(config: pytest.Config) -> None:
+        """``--attn-di-conform`` cannot run: attn_di refused to start."""
+        if config.getoption("attn_di_conform", default=None):
+            raise pytest.UsageError(_MESSAGE)
 
     @pytest.fixture
     def attn_di_container() -> None:

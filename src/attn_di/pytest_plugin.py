@@ -17,8 +17,14 @@ Marker: ``@pytest.mark.attention_backend(member, impl, local=False)`` (or a mapp
 ``{member: impl}``; members of either enum) overrides for one test, class or module; the
 marker closest to the test wins.
 
+Options: ``--attn-di-conform=TARGET`` (repeatable) collects the conformance kit's cells of
+each target as tests (:mod:`attn_di.conformance`; items ``attn-di-conform[TARGET]::CELL``,
+marked ``attn_di_conform``, so ``-m attn_di_conform`` runs only them);
+``--attn-di-conform-full`` the full matrix, ``--attn-di-conform-seed=N`` its seed.
+
 Nothing is autouse except the marker hook, which only looks for the marker. Importing this
-module imports attn_di (light: no torch, no entry-point scan).
+module imports attn_di (light: no torch, no entry-point scan); the kit is imported only when
+``--attn-di-conform`` is given.
 """
 
 from __future__ import annotations
@@ -31,9 +37,67 @@ from attn_di._container import BackendContainer
 from attn_di._testing import OverrideBackendFixture, isolated_backends
 from attn_di.exceptions import AttnDIError
 
-__all__ = ["attn_di_container", "override_backend", "pytest_configure"]
+__all__ = [
+    "attn_di_container",
+    "override_backend",
+    "pytest_addoption",
+    "pytest_collection_modifyitems",
+    "pytest_configure",
+]
 
 MARKER = "attention_backend"
+CONFORM_MARKER = "attn_di_conform"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--attn-di-conform=TARGET`` (repeatable), ``--attn-di-conform-full``,
+    ``--attn-di-conform-seed=N``."""
+    group = parser.getgroup("attn_di", "attn_di's conformance kit")
+    group.addoption(
+        "--attn-di-conform",
+        action="append",
+        default=[],
+        metavar="TARGET",
+        help="collect the conformance kit's cells of TARGET as tests (a member name such as "
+        "CPU_ATTN, or a class path pkg.module:Backend; repeatable)",
+    )
+    group.addoption(
+        "--attn-di-conform-full",
+        action="store_true",
+        default=False,
+        help="the full matrix instead of the default pairwise one (long)",
+    )
+    group.addoption(
+        "--attn-di-conform-seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the seed of the conformance cells (default 0)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Add the cells of every ``--attn-di-conform`` target (before ``-k``/``-m`` select)."""
+    targets = config.getoption("attn_di_conform", default=None) or []
+    if not targets:
+        return
+    from attn_di.conformance._pytest import collect_items
+
+    try:
+        found = collect_items(
+            session,
+            targets,
+            full=bool(config.getoption("attn_di_conform_full")),
+            seed=int(config.getoption("attn_di_conform_seed")),
+        )
+    except AttnDIError as error:
+        raise pytest.UsageError(f"--attn-di-conform: {error}") from error
+    for item in found:
+        item.add_marker(CONFORM_MARKER)
+    items.extend(found)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -43,6 +107,9 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{MARKER}(member, impl, *, local=False): override an attention backend for the test "
         "(impl: a class, a dotted path or a callable; or pass one mapping {member: impl}); "
         "see attn_di's README",
+    )
+    config.addinivalue_line(
+        "markers", f"{CONFORM_MARKER}: a cell of attn_di's conformance kit (--attn-di-conform)"
     )
 
 

@@ -163,6 +163,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch intra-op threads (default: torch's, one per core; 1 on a busy machine)",
     )
     run.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    conform = add_command(
+        "conform", "check a backend against the float64 reference over the feature matrix"
+    )
+    conform.add_argument(
+        "target",
+        metavar="TARGET",
+        help="a member name (CPU_ATTN, a runtime member) or a class path "
+        "(my_pkg.attention:MyBackend or dotted; found from the current directory too)",
+    )
+    conform.add_argument(
+        "--full", action="store_true", help="the full product of the axes (long), not pairwise"
+    )
+    conform_output = conform.add_mutually_exclusive_group()
+    conform_output.add_argument("--json", action="store_true", help="print the report as JSON")
+    conform_output.add_argument(
+        "--markdown", action="store_true", help="print the report as Markdown (for docs)"
+    )
+    conform.add_argument(
+        "--seed", type=int, default=0, help="picks the pairwise cells and every cell's data"
+    )
+    conform.add_argument(
+        "--dtype",
+        action="extend",
+        nargs="+",
+        metavar="DTYPE",
+        help="only cells of these dtypes (float32, bfloat16, float16; repeatable)",
+    )
+    conform.add_argument(
+        "--case",
+        action="append",
+        metavar="ID",
+        help="run only this cell (its id, as a failing cell's rerun line gives it; repeatable)",
+    )
     return parser
 
 
@@ -372,6 +406,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     _check_backend_names(args)
     if args.command in ("select", "run"):
         args.dtype = _canonical_dtype(args.dtype)
+    if args.command == "conform":
+        from attn_di.cli._conform import run_conform
+
+        args.dtype = [_canonical_dtype(d) for d in args.dtype or ()]
+        _add_cwd_to_path()
+        return run_conform(args)
     if args.command == "list":
         from attn_di.cli._list import run_list
 

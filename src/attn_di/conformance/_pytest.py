@@ -80,7 +80,8 @@ def collect_items(session: Any, targets: Sequence[str], *, full: bool, seed: int
     items: list[Any] = []
     for target in targets:
         plan = plan_conformance(target, full=full, seed=seed)
-        collector = _collector_cls().from_parent(session, name=f"attn-di-conform[{plan.target}]")
+        name = f"attn-di-conform[{plan.target}]"
+        collector = _collector_cls().from_parent(session, name=name, nodeid=name)
         for case in plan.cases():
             items.append(_item_cls().from_parent(collector, name=case.id, plan=plan, case=case))
     return items

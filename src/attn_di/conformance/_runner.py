@@ -89,10 +89,11 @@ class ConformancePlan:
         return run_in_process(self.driver, case, self.seed, self.rerun(case))
 
     def run(self, progress: Progress | None = None) -> ConformanceReport:
-        """Run every cell; the subprocess of the ``bad_input`` cells runs meanwhile."""
+        """Run every cell: those in process first, then the ``bad_input`` ones in a
+        subprocess (after, not meanwhile: two processes' thread pools on the same cores
+        slow both down many times)."""
         from attn_di.conformance._isolated import IsolatedRun
 
-        cases = self.cases()
         report = ConformanceReport(
             target=self.target,
             backend_name=self.driver.backend_name,
@@ -102,30 +103,29 @@ class ConformancePlan:
             environment=self.driver.environment(),
         )
         total = len(self)
-        isolated_cases = [c for c in self.cases() if c.check == "bad_input"]
-        isolated = IsolatedRun(self, isolated_cases) if isolated_cases else None
         pending: list[Case] = []
         done = 0
-        try:
-            for case in cases:
-                if case.check == "bad_input":
-                    pending.append(case)
-                    continue
-                result = run_in_process(self.driver, case, self.seed, self.rerun(case))
-                report.results.append(result)
-                done += 1
-                if progress is not None:
-                    progress(result, done, total)
-            if isolated is not None:
+
+        def record(result: CellResult) -> None:
+            nonlocal done
+            report.results.append(result)
+            done += 1
+            if progress is not None:
+                progress(result, done, total)
+
+        for case in self.cases():
+            if case.check == "bad_input":
+                pending.append(case)
+            else:
+                record(run_in_process(self.driver, case, self.seed, self.rerun(case)))
+        if pending:
+            isolated = IsolatedRun(self, pending)
+            try:
                 found = isolated.results()
-                for case in pending:
-                    report.results.append(found[case.id])
-                    done += 1
-                    if progress is not None:
-                        progress(found[case.id], done, total)
-        finally:
-            if isolated is not None:
+            finally:
                 isolated.close()
+            for case in pending:
+                record(found[case.id])
         return report
 
 
