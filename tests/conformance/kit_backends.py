@@ -135,7 +135,7 @@ class Bf16AccumulatingImpl(ReferenceImpl):
                     weights = torch.exp(scores - new_peak[:, None])
                     keep = torch.exp(peak.float() - new_peak)
                     total = (total.float() * keep + weights.sum(-1)).to(dtype)
-                    acc = (acc.float() * keep[:, None] + torch.einsum("hk,khd->hd", weights, v))
+                    acc = acc.float() * keep[:, None] + torch.einsum("hk,khd->hd", weights, v)
                     acc = acc.to(dtype)
                     peak = new_peak.to(dtype)
                 rows.append((acc.float() / total.float()[:, None]).reshape(-1))

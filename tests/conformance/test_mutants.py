@@ -1,14 +1,18 @@
-"""The mutants of tests/conformance/mutants.py: each is really broken where it says, and
-right elsewhere (checked here against tests/backends/reference.py on hand-made batches).
+"""The conformance kit catches what it must: the mutants of tests/conformance/mutants.py.
 
-Errors are measured against the float64 reference, on caches dirty (NaN) outside the
-written slots; "right" is within the budgets of tests/backends/test_correctness.py
-(float32 1e-4), "wrong" an error of at least 1e-2 (or NaN).
+First, each mutant is really broken where it says and right elsewhere, checked against
+tests/backends/reference.py on hand-made batches (errors against the float64 reference, on
+caches dirty (NaN) outside the written slots; "right" is within the float32 budget of
+tests/backends/test_correctness.py, 1e-4; "wrong" an error of at least 1e-2, or NaN).
+Then the kit's default run catches every one with the right feature named, while the
+unmutated backends' default runs are ok; and ``attn-di conform``, ``conformance_tests`` and
+``pytest --attn-di-conform`` give the verdicts as exit codes and test outcomes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -356,6 +360,7 @@ def _base(mutant: type[Mutant]) -> type[AttentionBackend]:
     return next(c for c in mutant.__mro__ if c.__module__.startswith("attn_di.backends."))
 
 
+@functools.cache
 def _caught(mutant: type[Mutant]) -> tuple[ConformanceReport, ConformanceReport]:
     """The first default-plan cell with the mutant's feature (cheapest first) that gets the
     mutant's outcome and that the unmutated backend passes or refuses (the bug, not a false
@@ -412,3 +417,137 @@ def test_default_run_of_the_unmutated_bases_is_ok(base: type[AttentionBackend]) 
     assert report.failures() == [], "\n".join(r.line() for r in report.failures())
     assert report.ok
     assert report.counts()["pass"] > 0
+
+
+# --- the command and pytest ------------------------------------------------------------------
+
+
+def conform(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m attn_di conform ARGS`` from the checkout's root, as a backend author runs
+    it from their project (the class path is found from the current directory)."""
+    return subprocess.run(
+        [sys.executable, "-m", "attn_di", "conform", *args],
+        cwd=ROOT,
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _failing_ids(stdout: str) -> list[str]:
+    """The ids of the ``FAIL <id>: ...`` lines of the command's output."""
+    return [line.split()[1].rstrip(":") for line in stdout.splitlines() if line.startswith("FAIL ")]
+
+
+def test_conform_fails_a_mutant_and_its_rerun_line_reruns_one_failing_cell() -> None:
+    """``attn-di conform tests.conformance.mutants:ScaleTwice`` on the default matrix's
+    float16 cells (the fewest: none long, none in a subprocess) exits 1 with a FAIL line and
+    a rerun line per failing cell; a rerun line's command runs that one cell, which still
+    fails (exit 1)."""
+    target = _target(mutants.ScaleTwice)
+
+    result = conform(target, "--dtype", "float16")
+
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    reruns = [line.strip() for line in result.stdout.splitlines() if "rerun: " in line]
+    fails = _failing_ids(result.stdout)
+    assert fails
+    assert all(case_id.startswith("fp16-") for case_id in fails)
+    assert len(reruns) == len(fails)
+    assert "NOT conformant" in result.stdout
+    command = reruns[0].removeprefix("rerun: ")
+    assert command.startswith(f"attn-di conform {target} --case fp16-")
+    case_id = command.split("--case ")[1].split()[0]
+
+    again = conform(*command.removeprefix("attn-di conform ").split())
+
+    assert again.returncode == 1, again.stderr
+    assert _failing_ids(again.stdout) == [case_id]
+    assert "1 cells" in again.stdout
+
+
+def _first_cell(mutant: type[Mutant]) -> str:
+    """The id of the default plan's first cell with the mutant's feature."""
+    plan = plan_conformance(_target(mutant))
+    return next(case.id for case in plan.cases() if mutant.feature in case.features)
+
+
+def test_conform_exit_codes_of_a_crash_and_of_works_undeclared() -> None:
+    """One cell each: CrashOnBadInput's first malformed-input cell is a CRASH (exit 1);
+    WorksUndeclared's undeclared-sinks cell works, not declared (exit 0: still conformant)."""
+    crash_cell = _first_cell(mutants.CrashOnBadInput)
+    works_cell = _first_cell(mutants.WorksUndeclared)
+
+    crashed = conform(_target(mutants.CrashOnBadInput), "--case", crash_cell)
+    conformant = conform(_target(mutants.WorksUndeclared), "--case", works_cell)
+
+    assert crashed.returncode == 1, crashed.stderr
+    assert f"CRASH {crash_cell}: the subprocess died of SIGABRT" in crashed.stdout
+    assert conformant.returncode == 0, conformant.stdout + conformant.stderr
+    assert "1 works_undeclared" in conformant.stdout
+    assert "conformant" in conformant.stdout.splitlines()[-1]
+
+
+PYTEST_MODULE = """
+from attn_di.conformance import conformance_tests
+
+test_x = conformance_tests({target!r}, case_ids={case_ids!r})
+"""
+
+
+def test_conformance_tests_in_a_backend_authors_suite(pytester: pytest.Pytester) -> None:
+    """``test_x = conformance_tests("tests.conformance.mutants:WindowOffByOne", ...)`` gives one
+    test per cell, with the cells' ids: the window cell the bug breaks fails with its report
+    line and rerun command, a cell without a window passes, the cell TORCH_SDPA does not
+    declare (the soft cap) is a skip naming the backend's reason."""
+    mutant = mutants.WindowOffByOne
+    caught, _ = _caught(mutant)
+    failing = caught.results[0].case.id
+    default = list(plan_conformance(_target(mutant)).cases())
+    passing = next(c.id for c in default if not c.features & {"window", "softcap", "bad_input"})
+    refused = next(c.id for c in default if "softcap" in c.features)
+    pytester.makepyfile(
+        test_backend=PYTEST_MODULE.format(
+            target=_target(mutant), case_ids=[failing, passing, refused]
+        )
+    )
+
+    result = pytester.runpytest("-p", "no:hypothesispytest", "-p", "no:cacheprovider", "-rfs")
+
+    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"FAIL {failing}: max error *",
+            f"rerun: attn-di conform {_target(mutant)} --case {failing} --seed 0",
+            f"FAILED test_backend.py::test_x[[]{failing}[]]*",
+            f"*SKIPPED*{mutant.get_name()}*",
+        ]
+    )
+
+
+def test_pytest_option_collects_a_mutants_cells(pytester: pytest.Pytester) -> None:
+    """``pytest --attn-di-conform=tests.conformance.mutants:SinksIgnored`` collects the
+    default matrix's cells as items named by their ids; two of them (selected with ``-k``):
+    the sinks cell fails, a cell without sinks passes."""
+    mutant = mutants.SinksIgnored
+    caught, _ = _caught(mutant)
+    failing = caught.results[0].case.id
+    default = list(plan_conformance(_target(mutant)).cases())
+    passing = next(c.id for c in default if not c.features & {"sinks", "softcap", "bad_input"})
+
+    collected = pytester.runpytest(
+        "-p", "no:hypothesispytest", "-p", "no:cacheprovider",
+        f"--attn-di-conform={_target(mutant)}", "--collect-only", "-q",
+    )  # fmt: skip
+    result = pytester.runpytest(
+        "-p", "no:hypothesispytest", "-p", "no:cacheprovider",
+        f"--attn-di-conform={_target(mutant)}", "-k", f"{failing} or {passing}",
+    )  # fmt: skip
+
+    names = [line for line in collected.stdout.lines if "attn-di-conform[" in line]
+    assert len(names) == len(default)
+    assert any(line.endswith(f"::{failing}") for line in names)
+    result.assert_outcomes(passed=1, failed=1, deselected=len(default) - 2)
+    result.stdout.fnmatch_lines([f"*FAIL {failing}: max error*", "*rerun: attn-di conform*"])
