@@ -27,7 +27,6 @@ import math
 import os
 import re
 import threading
-import time
 from typing import Any, ClassVar
 
 import torch
@@ -528,12 +527,19 @@ class OutputArgIgnored(Mutant, TorchSDPABackend):
 
 
 class _ThreadUnsafeImpl(_SdpaImpl):
-    """Stages its result in one scratch buffer per impl (not per thread) and copies it out
-    after a pause (off the main thread: a long kernel), so a second thread's call writes its
-    own result there meanwhile and the first returns (part of) the second's."""
+    """Stages its result in one scratch buffer per impl (not per thread) before copying it
+    out. Off the main thread, a call waits there (a long kernel) until another call stages
+    its own result, which overwrites the first's: the first returns (part of) the second's
+    answer. Deterministic, so the kit's two threads always see it."""
 
-    #: Seconds between staging the result and copying it out, off the main thread.
-    pause: ClassVar[float] = 0.05
+    #: Seconds a call off the main thread waits for another one, at most.
+    wait: ClassVar[float] = 2.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._staged = threading.Condition()
+        self._waiting = 0
+        self._scratch: torch.Tensor | None = None
 
     def forward(
         self,
@@ -547,13 +553,18 @@ class _ThreadUnsafeImpl(_SdpaImpl):
     ) -> torch.Tensor:
         result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         count = result.numel()
-        scratch: torch.Tensor | None = getattr(self, "_scratch", None)
-        if scratch is None or scratch.numel() < count or scratch.dtype != result.dtype:
-            scratch = self._scratch = result.new_empty(count)
-        scratch[:count].copy_(result.reshape(-1))
-        if threading.current_thread() is not threading.main_thread():
-            time.sleep(self.pause)
-        result.copy_(self._scratch[:count].view_as(result))
+        with self._staged:
+            scratch = self._scratch
+            if scratch is None or scratch.numel() < count or scratch.dtype != result.dtype:
+                scratch = self._scratch = result.new_empty(count)
+            scratch[:count].copy_(result.reshape(-1))
+            if self._waiting:
+                self._staged.notify_all()
+            elif threading.current_thread() is not threading.main_thread():
+                self._waiting += 1
+                self._staged.wait(self.wait)
+                self._waiting -= 1
+            result.copy_(self._scratch[:count].view_as(result))
         return result
 
 
