@@ -411,12 +411,21 @@ BASES = [TorchSDPABackend, CPUAttentionBackend]
 @pytest.mark.parametrize("base", BASES, ids=lambda b: b.get_name())
 def test_default_run_of_the_unmutated_bases_is_ok(base: type[AttentionBackend]) -> None:
     """No false alarm: the default run of each backend the mutants are made of is ok, with
-    no FAIL, FAIL_UNDECLARED or CRASH cell."""
+    no FAIL, FAIL_UNDECLARED or CRASH cell. And a cell run alone ends as it does in the
+    default run, to the bit (what :func:`_caught` relies on)."""
     report = run_conformance(base)
+    alone = run_conformance(base, case_ids=[r.case.id for r in report.results[:4]])
 
     assert report.failures() == [], "\n".join(r.line() for r in report.failures())
     assert report.ok
     assert report.counts()["pass"] > 0
+    for single, in_run in zip(alone.results, report.results, strict=False):
+        assert (single.case, single.outcome, single.max_error, single.tolerance) == (
+            in_run.case,
+            in_run.outcome,
+            in_run.max_error,
+            in_run.tolerance,
+        )
 
 
 # --- the command and pytest ------------------------------------------------------------------
