@@ -49,7 +49,9 @@ except ValueError as _error:
         group.addoption("--attn-di-conform-full", action="store_true", default=False)
         group.addoption("--attn-di-conform-seed", type=int, default=0, metavar="N")
 
-    def pytest_collection_modifyitems(config: pytest.Config) -> None:
+    def pytest_collection_modifyitems(
+        session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
         """``--attn-di-conform`` cannot run: attn_di refused to start."""
         if config.getoption("attn_di_conform", default=None):
             raise pytest.UsageError(_MESSAGE)

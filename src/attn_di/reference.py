@@ -132,8 +132,7 @@ def sequence_attention(
             dtype's own error.
 
     Returns:
-        ``[q, num_heads, head_size]`` in ``dtype``. A query that sees no key and has no
-        sink gets NaN (the softmax of nothing).
+        ``[q, num_heads, head_size]`` in ``dtype``.
     """
     import torch
 
@@ -164,7 +163,9 @@ def sequence_attention(
         delta = query_pos - key_pos[None, :]  # [rows, s]
         visible = delta >= 0 if causal else torch.ones_like(delta, dtype=torch.bool)
         if sliding_window is not None:
-            visible = visible & ((delta < sliding_window) if causal else (delta.abs() < sliding_window))
+            visible = visible & (
+                (delta < sliding_window) if causal else (delta.abs() < sliding_window)
+            )
         scores = scores.masked_fill(~visible[None], float("-inf"))
         peak = scores.amax(dim=-1, keepdim=True)
         if sink is not None:

@@ -130,12 +130,14 @@ class Bf16AccumulatingImpl(ReferenceImpl):
                 for first in range(0, visible, 16):
                     k = keys[first:visible][:16].float()
                     v = values[first:visible][:16].float()
-                    scores = torch.einsum("hd,khd->hk", q, k) * self.scale
+                    # elementwise, not einsum: tiny matmuls pay a thread-pool round trip each
+                    scores = (k.transpose(0, 1) * q[:, None, :]).sum(-1) * self.scale
                     new_peak = torch.maximum(peak.float(), scores.amax(-1))
                     weights = torch.exp(scores - new_peak[:, None])
                     keep = torch.exp(peak.float() - new_peak)
                     total = (total.float() * keep + weights.sum(-1)).to(dtype)
-                    acc = acc.float() * keep[:, None] + torch.einsum("hk,khd->hd", weights, v)
+                    weighted = (weights[:, :, None] * v.transpose(0, 1)).sum(1)
+                    acc = acc.float() * keep[:, None] + weighted
                     acc = acc.to(dtype)
                     peak = new_peak.to(dtype)
                 rows.append((acc.float() / total.float()[:, None]).reshape(-1))
@@ -213,3 +215,25 @@ class AbortingImpl(ReferenceImpl):
         if kv_cache.dim() == 5 and bool((slots >= kv_cache.shape[1] * kv_cache.shape[2]).any()):
             os.abort()
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+
+
+class NoCacheWriteBackend(ReferenceBackend):
+    """Answers right (from the batch's own keys) but never writes them into the cache: only
+    the kit's check of the cache catches it."""
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return NoCacheWriteImpl
+
+
+class NoCacheWriteImpl(ReferenceImpl):
+    backend: ClassVar[type[AttentionBackend]] = NoCacheWriteBackend
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                output: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        count = attn_metadata.num_actual_tokens
+        rows = self._attend(query[:count], key[:count], value[:count], kv_cache, attn_metadata)
+        result = torch.empty(query.shape[0], self.num_heads * self.head_size, dtype=query.dtype)
+        result[:count] = rows.to(query.dtype)
+        return result

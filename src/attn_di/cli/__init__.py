@@ -4,7 +4,8 @@
 ``attn-di select`` shows which backend a configuration gets and why the others were refused;
 ``attn-di run`` runs a paged-attention batch through backends, checks it against a float64
 reference and reports time, tokens/s and GB/s; ``attn-di conform`` checks a backend over the
-conformance kit's feature matrix (:mod:`attn_di.conformance`). Errors print one line and a hint, exit 2.
+conformance kit's feature matrix (:mod:`attn_di.conformance`). Errors print one line and a
+hint, exit 2.
 """
 
 from attn_di.cli._main import main

@@ -70,7 +70,11 @@ another dtype, keys with the wrong number of KV heads, a cache of the wrong head
 slot past the cache's end, a block number past the cache's end, ``seq_lens`` with an entry
 too many, an ``output=`` buffer of the wrong shape."""
 
-_CHECK_TOKENS = {"determinism": "determinism", "batch_invariance": "invariance", "threads": "threads"}
+_CHECK_TOKENS = {
+    "determinism": "determinism",
+    "batch_invariance": "invariance",
+    "threads": "threads",
+}
 
 
 class Outcome(enum.StrEnum):
@@ -111,13 +115,14 @@ class Case:
         seq_len: the longest sequence of the batch, in tokens (cached prefix + query).
         head_size: D.
         gqa: a key of :data:`GQA` (query heads per KV head, or ``"mqa"``).
-        block_size: tokens per KV-cache block (cache kinds only).
+        block_size: tokens per KV-cache block (cache kinds; encoder kinds have 16, unused).
         window: the sliding window w (``q - w < k <= q``; ``|q - k| < w`` bidirectional), or None.
         softcap: the logits soft cap c (``c * tanh(s / c)``), or None.
         alibi: whether ALiBi slopes are set (``m_h * (k - q)`` added to the scores).
         sinks: whether per-head sink logits are set (in the softmax denominator only).
         table: ``"shuffled"`` (every sequence's blocks in a random order) or ``"shared"``
-            (sequences share their first cached blocks, as prefix caching does).
+            (sequences share their first cached blocks, as prefix caching does; only where
+            two sequences have a whole cached block); encoder kinds have ``"shuffled"``.
         output: whether ``forward`` is given an ``output=`` buffer.
         padded: whether padding tokens (slot -1, NaN inputs) follow the real ones.
         check: one of :data:`CHECKS`.
@@ -159,6 +164,9 @@ class Case:
             )
         if self.bad_input is not None:
             _choice("bad_input", self.bad_input, BAD_INPUTS)
+        if self.kind in ENCODER_KINDS:  # no cache: its block size and table do not exist
+            object.__setattr__(self, "block_size", 16)
+            object.__setattr__(self, "table", "shuffled")
 
     # -- derived ------------------------------------------------------------------------
 
@@ -224,7 +232,7 @@ class Case:
 
     @property
     def id(self) -> str:
-        """The readable, unique name of the cell, e.g. ``"bf16-gqa4-decode-len150-window50-block16"``.
+        """The readable, unique name of the cell: ``bf16-gqa4-decode-len150-window50-block16``.
 
         Tokens, in order: the dtype; ``h<D>`` unless 64; the grouping; the kind;
         ``len<n>``; ``window<w>``; ``softcap<c>``; ``alibi``; ``sinks``; ``block<b>`` (cache

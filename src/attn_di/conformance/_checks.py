@@ -12,7 +12,13 @@ import torch
 
 from attn_di.conformance._case import Case, Outcome
 from attn_di.conformance._driver import BoundBatch, Capabilities, Driver
-from attn_di.conformance._problem import Problem, assemble, layer_options, make_problem, make_sequences
+from attn_di.conformance._problem import (
+    Problem,
+    assemble,
+    layer_options,
+    make_problem,
+    make_sequences,
+)
 from attn_di.conformance._tolerance import judge, tolerance_rule
 from attn_di.reference import sequence_attention
 
@@ -109,7 +115,12 @@ def expected(problem: Problem) -> Expected:
         )
         naives.append(
             sequence_attention(
-                sequence.query, keys, values, layer.scale, dtype=problem.dtype, **options  # type: ignore[arg-type]
+                sequence.query,
+                keys,
+                values,
+                layer.scale,
+                dtype=problem.dtype,
+                **options,  # type: ignore[arg-type]
             )
         )
     reference = torch.cat(references)
@@ -134,7 +145,9 @@ def _rows(problem: Problem, output: torch.Tensor) -> torch.Tensor | str:
         return f"forward returned shape {tuple(output.shape)}, expected [N, H * D] = {shape}"
     if output.dtype != problem.dtype:
         return f"forward returned {output.dtype}, expected the query's {problem.dtype}"
-    return output[: problem.num_tokens].reshape(problem.num_tokens, layer.num_heads, layer.head_size)
+    return output[: problem.num_tokens].reshape(
+        problem.num_tokens, layer.num_heads, layer.head_size
+    )
 
 
 def _examine(problem: Problem, want: Expected, output: torch.Tensor, bound: BoundBatch) -> Verdict:
@@ -146,7 +159,9 @@ def _examine(problem: Problem, want: Expected, output: torch.Tensor, bound: Boun
     cache_problem = _cache_problem(problem, bound)
     reasons = []
     if not verdict.ok:
-        reasons.append("output beyond tolerance" if verdict.max_error != float("inf") else "non-finite output")
+        reasons.append(
+            "output beyond tolerance" if verdict.max_error != float("inf") else "non-finite output"
+        )
     if cache_problem:
         reasons.append(cache_problem)
     return Verdict(
@@ -209,7 +224,9 @@ def determinism(driver: Driver, case: Case, seed: int, caps: Capabilities) -> Ve
     count = problem.num_tokens
     if not _bitwise_equal(first[:count], second[:count]):
         gap = _largest_gap(first[:count], second[:count])
-        return Verdict(False, f"the same call twice gave different outputs (largest difference {gap:.3g})")
+        return Verdict(
+            False, f"the same call twice gave different outputs (largest difference {gap:.3g})"
+        )
     cache = bound.cache()
     if first_cache is not None and cache is not None and bool(_differs(cache, first_cache).any()):
         return Verdict(False, "the same call twice left different caches")
@@ -256,7 +273,8 @@ def batch_invariance(driver: Driver, case: Case, seed: int, caps: Capabilities) 
             if not _bitwise_equal(rows[name], alone):
                 return Verdict(
                     False,
-                    f"declared batch-invariant, but request 0 {name} is not bitwise equal to it alone",
+                    f"declared batch-invariant, but request 0 {name} is not bitwise equal to "
+                    "request 0 alone",
                 )
             continue
         gap = judge(rows[name], alone.double(), want0.tolerance)

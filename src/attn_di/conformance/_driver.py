@@ -229,7 +229,9 @@ class InterfaceDriver(Driver):
         def block_size_ok(block_size: int) -> bool:
             return bool(supports_block(block_size)) if supports_block is not None else True
 
-        window = _call(backend, "supports_sliding_window", self._impl_flag("supports_sliding_window"))
+        window = _call(
+            backend, "supports_sliding_window", self._impl_flag("supports_sliding_window")
+        )
         invariant = False
         if "use_batch_invariant" in _keywords(backend.validate_configuration):
             head = sizes[0] if sizes else 64
@@ -279,12 +281,18 @@ class InterfaceDriver(Driver):
             )
         )  # fmt: skip
         caps = self.capabilities()
-        if case.window is not None and "has_sliding_window" not in keywords and not caps.sliding_window:
+        if (
+            case.window is not None
+            and "has_sliding_window" not in keywords
+            and not caps.sliding_window
+        ):
             reasons.append("sliding window not supported")
         if case.alibi and not caps.alibi:
             reasons.append("ALiBi not supported (the impl's supports_alibi is False)")
         if case.softcap is not None and not caps.softcap:
-            reasons.append("logits soft cap not supported (the impl's supports_logits_soft_cap is False)")
+            reasons.append(
+                "logits soft cap not supported (the impl's supports_logits_soft_cap is False)"
+            )
         if case.output and not caps.output_buffer:
             reasons.append("output= not accepted (accept_output_buffer is False)")
         return reasons
@@ -366,7 +374,8 @@ class _InterfaceBatch(BoundBatch):
                 raise InvalidInputError(
                     "get_kv_cache_shape",
                     f"returned {shape}; attn_di's interface lays the cache out as "
-                    f"[2, num_blocks, block_size, num_kv_heads, head_size] = {tuple(logical.shape)}",
+                    "[2, num_blocks, block_size, num_kv_heads, head_size] = "
+                    f"{tuple(logical.shape)}",
                     hint="drive a backend of another layout with its own driver "
                     "(attn_di.conformance.register_driver)",
                 )
@@ -397,7 +406,7 @@ class _InterfaceBatch(BoundBatch):
             None, problem.query, problem.key, problem.value, self._cache, self.metadata,
             output=output,
         )  # fmt: skip
-        return output if output is not None else result  # type: ignore[no-any-return]
+        return output if output is not None else result
 
     def cache(self) -> torch.Tensor | None:
         return self._cache if self._initial is not None else None
@@ -421,7 +430,9 @@ class _InterfaceBatch(BoundBatch):
             key = torch.cat([key, key[:, :1]], dim=1)
             value = torch.cat([value, value[:, :1]], dim=1)
         elif what == "cache_shape":
-            kv_cache = torch.zeros((*kv_cache.shape[:-1], kv_cache.shape[-1] + 1), dtype=kv_cache.dtype)
+            kv_cache = torch.zeros(
+                (*kv_cache.shape[:-1], kv_cache.shape[-1] + 1), dtype=kv_cache.dtype
+            )
         elif what == "slot_range":
             slots = metadata.slot_mapping.clone()
             slots[0] = kv_cache.shape[1] * kv_cache.shape[2] + 3
@@ -433,7 +444,9 @@ class _InterfaceBatch(BoundBatch):
         elif what == "seq_lens_count":
             metadata.seq_lens = torch.cat([metadata.seq_lens, metadata.seq_lens[:1]])
         elif what == "output_shape":
-            output = torch.empty(query.shape[0], query.shape[1] * query.shape[2] + 1, dtype=query.dtype)
+            output = torch.empty(
+                query.shape[0], query.shape[1] * query.shape[2] + 1, dtype=query.dtype
+            )
         else:
             raise InvalidInputError("bad_input", f"unknown malformation {what!r}")
         result = self.impl.forward(None, query, key, value, kv_cache, metadata, output=output)

@@ -71,7 +71,9 @@ class IsolatedRun:
         self._process.stdin.close()
         self._lines = queue.Queue()
         self._stderr: list[str] = []
-        threading.Thread(target=_pump, args=(self._process.stdout, self._lines), daemon=True).start()
+        threading.Thread(
+            target=_pump, args=(self._process.stdout, self._lines), daemon=True
+        ).start()
         threading.Thread(
             target=_collect, args=(self._process.stderr, self._stderr), daemon=True
         ).start()

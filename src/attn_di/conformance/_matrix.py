@@ -94,7 +94,7 @@ def axes_for(caps: Capabilities, dtypes: Sequence[str] | None = None) -> tuple[A
     blocks = tuple(b for b in _BLOCK_SIZES if caps.block_size_ok(b))
     if not blocks:
         blocks = tuple(b for b in _BLOCK_PROBES if caps.block_size_ok(b))[:4] or (16,)
-    kinds = CACHE_KINDS if "decoder" in caps.attn_types else ()
+    kinds: tuple[str, ...] = CACHE_KINDS if "decoder" in caps.attn_types else ()
     kinds += tuple(k for k in ENCODER_KINDS if k in caps.attn_types)
     return (
         Axis("dtype", declared_dtypes),
@@ -134,7 +134,9 @@ def _compatible(values: dict[str, object], defaults: dict[str, object]) -> bool:
     return True
 
 
-def pairwise(axes: Sequence[Axis], seed: int, candidates: int = 12) -> tuple[list[dict[str, object]], int]:
+def pairwise(
+    axes: Sequence[Axis], seed: int, candidates: int = 12
+) -> tuple[list[dict[str, object]], int]:
     """Assignments covering every compatible pair of values of two axes; and the pair count.
 
     Greedy: each new cell starts from an uncovered pair and fills the other axes, in a random
@@ -170,9 +172,7 @@ def pairwise(axes: Sequence[Axis], seed: int, candidates: int = 12) -> tuple[lis
                     trial = {**row, name: value}
                     if not _compatible(trial, defaults):
                         continue
-                    gain = sum(
-                        _pair(name, value, other, row[other]) in uncovered for other in row
-                    )
+                    gain = sum(_pair(name, value, other, row[other]) in uncovered for other in row)
                     scored.append((gain, rng.random(), value))
                 if not scored:
                     scored = [(0, 0.0, defaults[name])]
@@ -214,9 +214,7 @@ _AXIS_ORDER = {
 
 def _pairs_of(row: dict[str, object]) -> set[tuple[str, object, str, object]]:
     names = sorted(row, key=lambda n: _AXIS_ORDER[n])
-    return {
-        (a, _key(row[a]), b, _key(row[b])) for a, b in itertools.combinations(names, 2)
-    }
+    return {(a, _key(row[a]), b, _key(row[b])) for a, b in itertools.combinations(names, 2)}
 
 
 def to_case(row: dict[str, object]) -> Case:
@@ -249,7 +247,7 @@ def edge_cases(caps: Capabilities, axes: Sequence[Axis]) -> list[Case]:
     head = 64 if 64 in axis["head_size"] else int(axis["head_size"][0])  # type: ignore[call-overload]
     kinds = axis["kind"]
     cache = "decode" in kinds
-    base = Case(dtype=low, kind="decode" if cache else str(kinds[0]), gqa="gqa2",
+    base = Case(dtype=str(low), kind="decode" if cache else str(kinds[0]), gqa="gqa2",
                 head_size=head, block_size=block, seq_len=40)  # fmt: skip
     edges: list[Case] = []
     for dtype in dtypes:
@@ -312,7 +310,7 @@ def _probes(caps: Capabilities, base: Case, cache: bool) -> list[Case]:
         for kind in ENCODER_KINDS:
             if kind not in caps.attn_types:
                 probes.append(base.with_(kind=kind, block_size=16))
-    flags = {
+    flags: dict[str, tuple[bool, dict[str, object]]] = {
         "window": (caps.sliding_window, {"window": 8}),
         "softcap": (caps.softcap, {"softcap": 2.0}),
         "alibi": (caps.alibi, {"alibi": True}),
@@ -334,7 +332,9 @@ def property_cases(axes: Sequence[Axis]) -> list[Case]:
     kind = "mixed" if "mixed" in kinds else str(kinds[0])
     block = 16 if 16 in axis["block_size"] else int(axis["block_size"][0])  # type: ignore[call-overload]
     head = 64 if 64 in axis["head_size"] else int(axis["head_size"][0])  # type: ignore[call-overload]
-    base = Case(dtype=dtypes[0], kind=kind, gqa="gqa2", head_size=head, block_size=block, seq_len=60)
+    base = Case(
+        dtype=str(dtypes[0]), kind=kind, gqa="gqa2", head_size=head, block_size=block, seq_len=60
+    )
     found: list[Case] = []
     for dtype in dtypes:
         found.append(base.with_(dtype=dtype, check="determinism"))

@@ -174,7 +174,9 @@ def layer_options(case: Case, seed: int) -> LayerOptions:
         scale=case.head_size**-0.5,
         window=case.window,
         softcap=case.softcap,
-        alibi_slopes=[2.0 ** (-8.0 * h / heads) for h in range(1, heads + 1)] if case.alibi else None,
+        alibi_slopes=[2.0 ** (-8.0 * h / heads) for h in range(1, heads + 1)]
+        if case.alibi
+        else None,
         sinks=sinks,
         attn_type=case.attn_type,
     )

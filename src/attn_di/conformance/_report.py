@@ -202,7 +202,7 @@ _ORDER = (
 
 
 def _finite_or_str(value: float | None) -> float | str | None:
-    if value is None or value == value and abs(value) != float("inf"):
+    if value is None or (value == value and abs(value) != float("inf")):
         return value
     return str(value)
 

@@ -24,7 +24,12 @@ __all__ = [
     "run_conformance",
 ]
 
-REFUSALS: tuple[type[BaseException], ...] = (AttnDIError, NotImplementedError, ValueError, TypeError)
+REFUSALS: tuple[type[BaseException], ...] = (
+    AttnDIError,
+    NotImplementedError,
+    ValueError,
+    TypeError,
+)
 """What counts as a typed refusal of an undeclared cell: attn_di's errors and the builtins
 vLLM's impls raise for what they do not support."""
 TYPED_ERRORS: tuple[type[BaseException], ...] = (*REFUSALS, LookupError)
@@ -195,7 +200,9 @@ def _dtype(dtype: object) -> str:
     name = dtype_name(dtype)
     if name not in DTYPES:
         raise InvalidInputError(
-            "dtypes", f"{dtype!r} is not one of the matrix's dtypes", hint="one of " + ", ".join(DTYPES)
+            "dtypes",
+            f"{dtype!r} is not one of the matrix's dtypes",
+            hint="one of " + ", ".join(DTYPES),
         )
     return name
 
@@ -243,7 +250,7 @@ def result_from_json(case: Case, data: dict[str, Any]) -> CellResult:
         declared=bool(data["declared"]),
         max_error=None if max_error is None else float(max_error),
         tolerance=data.get("tolerance"),
-        first_wrong=[tuple(p) for p in data.get("first_wrong", [])],  # type: ignore[misc]
+        first_wrong=[(int(t), int(h), int(d)) for t, h, d in data.get("first_wrong", [])],
         reason=data.get("reason"),
         rerun=data.get("rerun", ""),
         seconds=float(data.get("seconds", 0.0)),

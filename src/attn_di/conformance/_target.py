@@ -42,7 +42,9 @@ def resolve_target(target: object) -> tuple[Any, str]:
             )
         return member.get_class(), member.name
     raise InvalidBackendTypeError(
-        "target", target, "a backend class, an AttentionBackendEnum member, its name or a class path"
+        "target",
+        target,
+        "a backend class, an AttentionBackendEnum member, its name or a class path",
     )
 
 

@@ -106,10 +106,10 @@ def judge(output: torch.Tensor, reference: torch.Tensor, tolerance: torch.Tensor
         return Judgement(True, 0.0, 0.0, [])
     ratio = error / tolerance.clamp_min(torch.finfo(torch.float64).tiny)
     worst = int(torch.argmax(ratio.nan_to_num(nan=torch.inf)))
-    positions = [tuple(int(i) for i in p) for p in wrong.nonzero()[:_POSITIONS].tolist()]
+    positions = [(int(t), int(h), int(d)) for t, h, d in wrong.nonzero()[:_POSITIONS].tolist()]
     return Judgement(
         ok=not bool(wrong.any()),
         max_error=float(error.max()),
         tolerance=float(tolerance.reshape(-1)[worst]),
-        first_wrong=positions,  # type: ignore[misc]
+        first_wrong=positions,
     )
