@@ -24,7 +24,11 @@ def _outcomes(report: ConformanceReport) -> dict[str, Outcome]:
 def test_a_correct_backend_passes_and_refuses_what_it_does_not_declare() -> None:
     """Declared cells pass; the undeclared soft cap is refused with the backend's reason."""
     report = run_conformance(kit.ReferenceBackend, case_ids=[DECODE, ALIBI, SOFTCAP])
-    assert _outcomes(report) == {DECODE: Outcome.PASS, ALIBI: Outcome.PASS, SOFTCAP: Outcome.REFUSED}
+    assert _outcomes(report) == {
+        DECODE: Outcome.PASS,
+        ALIBI: Outcome.PASS,
+        SOFTCAP: Outcome.REFUSED,
+    }
     refused = report.results[2]
     assert not refused.declared
     assert refused.reason is not None
@@ -61,7 +65,8 @@ def test_a_cache_that_is_not_written_fails() -> None:
     report = run_conformance(kit.NoCacheWriteBackend, case_ids=[DECODE])
     (result,) = report.results
     assert result.outcome is Outcome.FAIL
-    assert result.max_error is not None and result.tolerance is not None
+    assert result.max_error is not None
+    assert result.tolerance is not None
     assert result.max_error <= result.tolerance
     assert result.reason is not None
     assert result.reason.startswith("KV-cache write: ")

@@ -26,7 +26,8 @@ def test_bf16_accumulation_over_a_long_context_fails() -> None:
     short, long, fp32 = report.results
     assert short.outcome is Outcome.PASS
     assert long.outcome is Outcome.FAIL
-    assert long.max_error is not None and long.tolerance is not None
+    assert long.max_error is not None
+    assert long.tolerance is not None
     assert long.max_error > 3 * long.tolerance
     assert long.reason == "output beyond tolerance"
     assert long.first_wrong[0] == (0, 0, 0)

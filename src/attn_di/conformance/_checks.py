@@ -311,6 +311,7 @@ def threads(driver: Driver, case: Case, seed: int, caps: Capabilities) -> Verdic
                 found[index].append((output, None if cache is None else cache.clone()))
             except Exception as error:
                 found[index].append(error)
+                barrier.abort()  # the other thread stops waiting for this one at once
                 return
 
     workers = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(2)]

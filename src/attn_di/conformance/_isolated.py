@@ -74,9 +74,10 @@ class IsolatedRun:
         threading.Thread(
             target=_pump, args=(self._process.stdout, self._lines), daemon=True
         ).start()
-        threading.Thread(
+        self._stderr_done = threading.Thread(
             target=_collect, args=(self._process.stderr, self._stderr), daemon=True
-        ).start()
+        )
+        self._stderr_done.start()
 
     def results(self) -> dict[str, CellResult]:
         """Every cell's result (waiting for the subprocesses)."""
@@ -136,10 +137,12 @@ class IsolatedRun:
         if self._process is None:
             return None
         try:
-            return self._process.wait(timeout=30)
+            code = self._process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._kill()
-            return self._process.wait()
+            code = self._process.wait()
+        self._stderr_done.join(timeout=5)  # the last stderr lines name the cause of a death
+        return code
 
     def _kill(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -182,16 +185,18 @@ def _death(code: int | None, timed_out: bool, stderr: list[str]) -> str:
 
 def _pump(stream: IO[str] | None, lines: queue.Queue[str | None]) -> None:
     assert stream is not None
-    for line in stream:
-        lines.put(line)
+    with stream:  # closed at EOF: no unclosed pipe once the subprocess is gone
+        for line in stream:
+            lines.put(line)
     lines.put(None)
 
 
 def _collect(stream: IO[str] | None, into: list[str]) -> None:
     assert stream is not None
-    for line in stream:
-        into.append(line)
-        del into[:-20]
+    with stream:
+        for line in stream:
+            into.append(line)
+            del into[:-20]
 
 
 def main() -> int:
