@@ -222,7 +222,8 @@ def test_an_unknown_cli_command_gets_did_you_mean(
         main([typed])
     assert caught.value.code == 2
     error, hint = capsys.readouterr().err.splitlines()
-    assert error == f"attn-di: error: unknown command {typed!r} (choose from list, select, run)"
+    choices = "list, select, run, conform"
+    assert error == f"attn-di: error: unknown command {typed!r} (choose from {choices})"
     assert hint == f"hint: did you mean `attn-di {command}`? see `attn-di --help`"
 
 

@@ -827,7 +827,7 @@ def test_a_read_only_cache_with_a_verified_build_is_loaded_without_a_write(
     report = json.loads(done.stdout)
     native = _cpu_kernel._native_isa()
     assert report == {
-        "status": f"compiled kernel ({native})",
+        "status": f"compiled decode and prefill kernels ({native})",
         "library": str(library),
         "writes": [],
         "warnings": [],
@@ -883,7 +883,7 @@ def test_a_build_never_loads_into_its_caller(
         "status": [True, native, str(library)],
         "running": native,
         "loaded": [str(library)],
-        "after": f"compiled kernel ({native})",
+        "after": f"compiled decode and prefill kernels ({native})",
     }
     leftovers = [
         p.name for p in directory.parent.iterdir() if ".building-" in p.name or ".old-" in p.name

@@ -232,7 +232,7 @@ def test_run_exits_non_zero_when_a_check_fails(tmp_path: pytest.TempPathFactory)
         (["run", "--block-size", "10000000"], "this batch needs about"),
         (["run", "--backend", "NO_ATTENTION"], "NO_ATTENTION is attention-free"),
         (["run", "--batch", "abc"], "argument --batch: invalid int value: 'abc'"),
-        (["bogus"], "unknown command 'bogus' (choose from list, select, run)"),
+        (["bogus"], "unknown command 'bogus' (choose from list, select, run, conform)"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_a_hint(args: list[str], message: str) -> None:
@@ -323,7 +323,7 @@ def test_a_bad_option_points_to_its_subcommands_help(args: list[str], hint: str)
         (["--head-siz", "64", "select"], "unrecognized arguments: --head-siz",
          "did you mean --head-size (after `select`)? see `attn-di select --help`"),
         (["nosuchcmd", "--registr", "x"],
-         "unknown command 'nosuchcmd' (choose from list, select, run)",
+         "unknown command 'nosuchcmd' (choose from list, select, run, conform)",
          "see `attn-di --help`"),
     ],
 )  # fmt: skip
