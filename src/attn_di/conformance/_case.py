@@ -125,6 +125,12 @@ class Case:
             two sequences have a whole cached block); encoder kinds have ``"shuffled"``.
         output: whether ``forward`` is given an ``output=`` buffer.
         padded: whether padding tokens (slot -1, NaN inputs) follow the real ones.
+        finite_tails: whether the unwritten slots of the blocks the batch uses (the tail of
+            each sequence's last block) hold the dtype's largest finite values, of both
+            signs, instead of the kit's NaN, Inf and huge values (blocks no sequence uses stay
+            dirty with NaN and Inf): the convention of a contract whose engine keeps them
+            finite (vLLM's zero-filled cache; :attr:`Capabilities.nan_tails`). Cache kinds
+            only.
         check: one of :data:`CHECKS`.
         bad_input: for ``check="bad_input"``, one of :data:`BAD_INPUTS`.
     """
@@ -142,6 +148,7 @@ class Case:
     table: str = "shuffled"
     output: bool = False
     padded: bool = False
+    finite_tails: bool = False
     check: str = "numerics"
     bad_input: str | None = None
 
@@ -167,6 +174,7 @@ class Case:
         if self.kind in ENCODER_KINDS:  # no cache: its block size and table do not exist
             object.__setattr__(self, "block_size", 16)
             object.__setattr__(self, "table", "shuffled")
+            object.__setattr__(self, "finite_tails", False)
 
     # -- derived ------------------------------------------------------------------------
 
@@ -202,8 +210,8 @@ class Case:
         Among them: the dtype's short name (``"bf16"``), the batch kind (``"decode"``;
         ``"encoder"`` for both encoder kinds), ``"gqa"``/``"mqa"``, ``"window"``,
         ``"softcap"``, ``"alibi"``, ``"sinks"``, ``"shuffled_blocks"``/``"shared_blocks"`` and
-        ``"dirty_cache"`` (every cache cell), ``"long_context"`` (4096 tokens or more),
-        ``"odd_head_size"``, ``"output_arg"``, ``"padding"``, and the check
+        ``"dirty_cache"`` (every cache cell), ``"finite_tails"``, ``"long_context"``
+        (4096 tokens or more), ``"odd_head_size"``, ``"output_arg"``, ``"padding"``, and the check
         (``"determinism"``, ``"batch_invariance"``, ``"threads"``, ``"bad_input"``).
         """
         found = {DTYPES[self.dtype], "encoder" if self.kind in ENCODER_KINDS else self.kind}
@@ -224,6 +232,7 @@ class Case:
             "odd_head_size": self.head_size % 2 == 1,
             "output_arg": self.output,
             "padding": self.padded,
+            "finite_tails": self.finite_tails,
         }
         found.update(name for name, present in optional.items() if present)
         if self.check != "numerics":
@@ -236,7 +245,7 @@ class Case:
 
         Tokens, in order: the dtype; ``h<D>`` unless 64; the grouping; the kind;
         ``len<n>``; ``window<w>``; ``softcap<c>``; ``alibi``; ``sinks``; ``block<b>`` (cache
-        kinds); ``shared``; ``output``; ``padded``; the check (``determinism``,
+        kinds); ``shared``; ``output``; ``padded``; ``finitetails``; the check (``determinism``,
         ``invariance``, ``threads``, ``bad_<what>``). :meth:`from_id` parses it back.
         """
         tokens = [DTYPES[self.dtype]]
@@ -253,6 +262,8 @@ class Case:
             if self.table == "shared":
                 tokens.append("shared")
         tokens += [name for name in ("output", "padded") if getattr(self, name)]
+        if self.finite_tails:
+            tokens.append("finitetails")
         if self.check in _CHECK_TOKENS:
             tokens.append(_CHECK_TOKENS[self.check])
         elif self.bad_input is not None:
@@ -286,6 +297,8 @@ class Case:
                 values[token] = True
             elif token == "shared":
                 values["table"] = "shared"
+            elif token == "finitetails":
+                values["finite_tails"] = True
             elif token in checks:
                 values["check"] = checks[token]
             elif token.startswith("bad_"):
@@ -322,7 +335,7 @@ _NUMBERED: dict[str, tuple[str, type]] = {
 }
 
 _TOKENS = (
-    *DTYPES.values(), *GQA, *KINDS, "alibi", "sinks", "output", "padded", "shared",
+    *DTYPES.values(), *GQA, *KINDS, "alibi", "sinks", "output", "padded", "shared", "finitetails",
     *_CHECK_TOKENS.values(), *(f"bad_{name}" for name in BAD_INPUTS),
     "h64", "len19", "window8", "softcap2", "block16",
 )  # fmt: skip

@@ -52,6 +52,12 @@ class Capabilities:
         sliding_window, softcap, alibi, sinks: whether each layer option is supported.
         output_buffer: whether ``forward`` takes an ``output=`` buffer.
         batch_invariant: whether the backend declares bitwise batch invariance.
+        nan_tails: whether the unwritten slots of the blocks a batch uses (past each
+            sequence's length in its last block) may hold NaN and Inf, as the kit's dirty
+            cache has them. False where the contract keeps them finite (vLLM's engine
+            zero-fills its cache and reuses blocks with their stale, finite keys and
+            values): the matrix's cache cells then have :attr:`Case.finite_tails`, and a
+            few cells with the kit's NaN tails probe what the backend does with them.
     """
 
     dtypes: tuple[str, ...]
@@ -64,6 +70,7 @@ class Capabilities:
     sinks: bool
     output_buffer: bool = True
     batch_invariant: bool = False
+    nan_tails: bool = True
 
 
 class BoundBatch(abc.ABC):

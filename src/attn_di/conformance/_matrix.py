@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from attn_di.conformance._case import BAD_INPUTS, CACHE_KINDS, DTYPES, ENCODER_KINDS, GQA, Case
 from attn_di.conformance._driver import Capabilities
 
-__all__ = ["LENGTHS", "LONG", "Matrix", "build_matrix"]
+__all__ = ["LENGTHS", "LONG", "Matrix", "build_matrix", "nan_tail_probes", "with_tails"]
 
 LENGTHS = (1, 19, 150)
 """The pairwise cells' longest sequence, in tokens: one token, a few blocks, many blocks."""
@@ -60,10 +60,12 @@ class Matrix:
         pairs: int,
         full: bool,
         dtypes: Sequence[str] | None,
+        finite_tails: bool = False,
     ) -> None:
         self.axes = axes
         self.pairs = pairs
         self.full = full
+        self._finite_tails = finite_tails
         self._dtypes = None if dtypes is None else tuple(dtypes)
         self._head = tuple(head)
         self._extra = tuple(extra)
@@ -72,7 +74,9 @@ class Matrix:
 
     def __iter__(self) -> Iterator[Case]:
         head: Iterator[Case] = (
-            (to_case(row) for row in full_product(self.axes)) if self.full else iter(self._head)
+            (with_tails(to_case(row), self._finite_tails) for row in full_product(self.axes))
+            if self.full
+            else iter(self._head)
         )
         yield from head
         yield from self._extra
@@ -237,6 +241,26 @@ def to_case(row: dict[str, object]) -> Case:
     return Case(**values)  # type: ignore[arg-type]
 
 
+def with_tails(case: Case, finite: bool) -> Case:
+    """``case`` with finite tails when ``finite`` and it has a cache (else unchanged)."""
+    return case.with_(finite_tails=True) if finite and case.uses_cache else case
+
+
+def nan_tail_probes(axes: Sequence[Axis]) -> list[Case]:
+    """For a contract that keeps the unwritten slots of used blocks finite
+    (:attr:`Capabilities.nan_tails` False): cells with the kit's NaN tails, which that
+    contract does not declare: a decode and a mixed batch of the edge cells' baseline."""
+    axis = {a.name: a.values for a in axes}
+    if "decode" not in axis["kind"]:
+        return []
+    dtypes = axis["dtype"]
+    low = "bfloat16" if "bfloat16" in dtypes else str(dtypes[0])
+    block = 16 if 16 in axis["block_size"] else int(axis["block_size"][0])  # type: ignore[call-overload]
+    head = 64 if 64 in axis["head_size"] else int(axis["head_size"][0])  # type: ignore[call-overload]
+    base = Case(dtype=low, kind="decode", gqa="gqa2", head_size=head, block_size=block, seq_len=40)
+    return [base, base.with_(kind="mixed", dtype=str(dtypes[0]))]
+
+
 def edge_cases(caps: Capabilities, axes: Sequence[Axis]) -> list[Case]:
     """Single-axis edges from a baseline (each alone), the long-context cells, and one probe
     per value the backend does not declare (which must be refused or work)."""
@@ -374,6 +398,10 @@ def build_matrix(
         rows, pairs = pairwise(axes, seed)
         head = [to_case(row) for row in rows]
     extra = edge_cases(caps, axes) + property_cases(axes)
+    finite = not caps.nan_tails
+    if finite:
+        head = [with_tails(case, True) for case in head]
+        extra = [with_tails(case, True) for case in extra] + nan_tail_probes(axes)
     if dtypes is not None:
         extra = [case for case in extra if case.dtype in dtypes]
     unique_head = list({case.id: case for case in head}.values())
@@ -381,14 +409,24 @@ def build_matrix(
     unique_extra = [
         case
         for case in {case.id: case for case in extra}.values()
-        if case.id not in taken and not (full and _in_product(case, axes))
+        if case.id not in taken and not (full and _in_product(case, axes, finite))
     ]
-    return Matrix(tuple(axes), unique_head, unique_extra, pairs=pairs, full=full, dtypes=dtypes)
+    return Matrix(
+        tuple(axes),
+        unique_head,
+        unique_extra,
+        pairs=pairs,
+        full=full,
+        dtypes=dtypes,
+        finite_tails=finite,
+    )
 
 
-def _in_product(case: Case, axes: Sequence[Axis]) -> bool:
+def _in_product(case: Case, axes: Sequence[Axis], finite_tails: bool = False) -> bool:
     """Whether the full product already has ``case`` (same id)."""
     if case.check != "numerics" or case.seq_len not in LENGTHS:
+        return False
+    if case.uses_cache and case.finite_tails != finite_tails:
         return False
     for axis in axes:
         if axis.name in ("window", "seq_len"):

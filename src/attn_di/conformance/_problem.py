@@ -7,7 +7,9 @@ compare them.
 
 The cache is dirty as a server's is: every slot that no cached prefix covers (the tail of
 each last block, spare blocks, the null block 0, blocks that stale block-table entries
-name) holds NaN, +Inf, -Inf, +max and -max of the dtype, cycling along each slot.
+name) holds NaN, +Inf, -Inf, +max and -max of the dtype, cycling along each slot; in a
+:attr:`~attn_di.conformance.Case.finite_tails` cell the unwritten slots of the blocks the
+batch uses hold +max and -max only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from attn_di.conformance._case import Case
 
 __all__ = [
     "DIRTY_VALUES",
+    "FINITE_VALUES",
     "LayerOptions",
     "Problem",
     "SequenceData",
@@ -41,6 +44,14 @@ def DIRTY_VALUES(dtype: torch.dtype) -> list[float]:  # noqa: N802 - a table, by
     """What an unwritten slot holds: NaN, +Inf, -Inf, the dtype's largest and its negative."""
     largest = float(torch.finfo(dtype).max)
     return [math.nan, math.inf, -math.inf, largest, -largest]
+
+
+def FINITE_VALUES(dtype: torch.dtype) -> list[float]:  # noqa: N802 - a table, by dtype
+    """What an unwritten slot of a block in use holds in a :attr:`Case.finite_tails` cell:
+    the dtype's largest value and its negative (a backend that gives such a slot any
+    weight errs hugely; one that multiplies it by a zero weight does not)."""
+    largest = float(torch.finfo(dtype).max)
+    return [largest, -largest]
 
 
 @dataclass(frozen=True)
@@ -298,6 +309,9 @@ def assemble(
         stale = [rng.choice(physical) for _ in range(width - needed)]
         table[row] = torch.tensor(ids + stale, dtype=torch.int32)
     cache = _dirty((2, num_blocks, block_size, kv_heads, size), dtype)
+    if case.finite_tails:
+        used = sorted({int(b) for row, n in enumerate(blocks_needed) for b in table[row, :n]})
+        cache[:, used] = _dirty(tuple(cache[:, used].shape), dtype, FINITE_VALUES(dtype))
     slots = []
     for row, sequence in enumerate(sequences):
         positions = torch.arange(sequence.seq_len)
@@ -317,9 +331,11 @@ def make_problem(case: Case, seed: int) -> Problem:
     return assemble(case, layer_options(case, seed), make_sequences(case, seed), seed)
 
 
-def _dirty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor whose elements cycle through :func:`DIRTY_VALUES` along its flat order (the
-    head size is never a multiple of 5 times... so every slot sees several of them)."""
-    pattern = torch.tensor(DIRTY_VALUES(dtype), dtype=dtype)
+def _dirty(
+    shape: tuple[int, ...], dtype: torch.dtype, values: list[float] | None = None
+) -> torch.Tensor:
+    """A tensor whose elements cycle through ``values`` (:func:`DIRTY_VALUES`) along its
+    flat order, so every slot sees several of them."""
+    pattern = torch.tensor(DIRTY_VALUES(dtype) if values is None else values, dtype=dtype)
     count = math.prod(shape)
     return pattern.repeat(count // len(pattern) + 1)[:count].reshape(shape).clone()

@@ -22,7 +22,14 @@ For each cell the driver builds what vLLM builds:
   ``num_actual_tokens`` and have slot -1 (vLLM's ``PAD_SLOT_ID``), as vLLM pads.
 
 The dirty cache: the whole buffer (every byte of every page, a packed interior included)
-holds NaN, +Inf, -Inf and the dtype's largest values of both signs, cycling; the cached
+holds NaN, +Inf, -Inf and the dtype's largest values of both signs, cycling; except that,
+vLLM's contract keeping them finite (``Capabilities.nan_tails`` is False), the pages of the
+blocks the batch uses hold only the largest finite values of both signs in a
+``finite_tails`` cell (every cache cell of the matrix but a few probes): vLLM's engine
+allocates its KV cache zero-filled (``vllm/v1/worker/utils.py``) and zeroes new blocks only
+for Mamba or mixed-precision caches (``KVCacheConfig.needs_kv_cache_zeroing``), so the
+unwritten slots of a block in use hold zeros or an earlier request's keys and values, and
+vLLM's CPU kernel weights the values of those slots by zero (``0 * NaN`` is NaN). The cached
 prefixes are then written through the backend's own path (``do_kv_cache_update``; for a
 backend whose ``forward`` writes the cache, a prefill step over the prefixes, as earlier steps
 would have written them). A page's interior belongs to the backend (vLLM's CPU backend packs
@@ -59,7 +66,7 @@ import torch
 from attn_di.conformance import BoundBatch, Capabilities, Driver
 from attn_di.exceptions import InvalidBackendTypeError, InvalidInputError
 
-__all__ = ["VLLM_BACKEND_BASE", "VllmDriver"]
+__all__ = ["NAN_TAILS_REASON", "VLLM_BACKEND_BASE", "VllmDriver"]
 
 VLLM_BACKEND_BASE = "vllm.v1.attention.backend:AttentionBackend"
 """The class path of vLLM's backend base class: the kit picks :class:`VllmDriver` for its
@@ -70,6 +77,17 @@ _ATTN_TYPES = ("decoder", "encoder", "encoder_only")
 _MAX_MODEL_LEN = 32768
 _KEPT_LAYERS = 4
 _PROBE_SOFTCAP = 2.0
+_SPARE_PAGES = 8
+"""Pages of garbage allocated past the cache's end: a backend that writes past it (a slot
+out of range) writes there, where the driver sees it, not into the kit's own memory."""
+_SPARE_ROWS = 4
+"""Rows allocated past the end of the output the driver allocates, for the same reason."""
+
+NAN_TAILS_REASON = (
+    "NaN or Inf in the unwritten slots of a block in use are outside vLLM's contract: its "
+    "engine zero-fills the KV cache and reuses blocks with their stale, finite keys and values"
+)
+"""Why a cache cell with the kit's NaN tails is not declared (see the module docstring)."""
 
 
 class VllmDriver(Driver):
@@ -93,6 +111,14 @@ class VllmDriver(Driver):
         +Inf, -Inf and the dtype's largest values of both signs (the kit's dirty cache)."""
         largest = float(torch.finfo(dtype).max)
         return [math.nan, math.inf, -math.inf, largest, -largest]
+
+    @staticmethod
+    def finite_slot_values(dtype: torch.dtype) -> list[float]:
+        """What every byte of a page the batch uses holds, cycling, in a ``finite_tails``
+        cell: the dtype's largest values of both signs (a slot given any weight errs
+        hugely; one weighted by zero does not)."""
+        largest = float(torch.finfo(dtype).max)
+        return [largest, -largest]
 
     def __init__(self, backend_cls: Any, target: str) -> None:
         super().__init__(backend_cls, target)
@@ -154,6 +180,7 @@ class VllmDriver(Driver):
             sinks=bool(_ask(backend, "supports_sink", False)),
             output_buffer=True,
             batch_invariant=bool(_ask(backend, "supports_batch_invariance", False)),
+            nan_tails=False,
         )
         return self._caps
 
@@ -183,6 +210,8 @@ class VllmDriver(Driver):
             reasons.append(f"ALiBi refused by the impl ({self._refused['alibi']})")
         if case.softcap is not None and not caps.softcap:
             reasons.append(f"logits soft cap refused by the impl ({self._refused['softcap']})")
+        if case.uses_cache and not case.finite_tails:
+            reasons.append(NAN_TAILS_REASON)
         return reasons
 
     # -- one cell -----------------------------------------------------------------------
@@ -354,6 +383,8 @@ class _VllmBatch(BoundBatch):
         )
         self._problem_found: str | None = None
         self.raw: torch.Tensor | None = None
+        self._past_end = torch.empty(0, dtype=torch.int8)
+        self._past_end_initial = self._past_end
         self.kv_cache = torch.empty(0, dtype=dtype)
         self._initial: torch.Tensor | None = None
         if problem.cache is not None:
@@ -370,7 +401,11 @@ class _VllmBatch(BoundBatch):
         problem = self.problem
         num_blocks = int(problem.cache.shape[1])
         page = int(self.spec.page_size_bytes)
-        self.raw = torch.empty(page * num_blocks, dtype=torch.int8)
+        storage = torch.empty(page * (num_blocks + _SPARE_PAGES), dtype=torch.int8)
+        self.raw = storage[: page * num_blocks]
+        self._past_end = storage[page * num_blocks :]
+        _fill(self._past_end.view(problem.dtype), self.driver.unused_slot_values(problem.dtype))
+        self._past_end_initial = self._past_end.clone()
         tensor = KVCacheTensor(
             size=page * num_blocks,
             layers=[self.layer.layer_name],
@@ -380,10 +415,11 @@ class _VllmBatch(BoundBatch):
         (self.kv_cache,) = create_kv_cache_views(
             self.raw, self.spec, num_blocks, _layout(self.backend), tensor
         )
-        garbage = self.driver.unused_slot_values(problem.dtype)
-        flat = self.raw.view(problem.dtype)
-        pattern = torch.tensor(garbage, dtype=problem.dtype)
-        flat.copy_(pattern.repeat(flat.numel() // len(garbage) + 1)[: flat.numel()])
+        _fill(self.raw.view(problem.dtype), self.driver.unused_slot_values(problem.dtype))
+        if problem.case.finite_tails:
+            pages = self.raw.view(num_blocks, page).view(problem.dtype)
+            for block in _used_blocks(problem):
+                _fill(pages[block], self.driver.finite_slot_values(problem.dtype))
 
     def _write_prefixes(self) -> None:
         """The cached prefixes, written as vLLM's earlier steps would have: through
@@ -485,6 +521,7 @@ class _VllmBatch(BoundBatch):
         self._problem_found = None
         if self.raw is not None and self._initial is not None:
             self.raw.copy_(self._initial)
+            self._past_end.copy_(self._past_end_initial)
         count = int(query.shape[0])
         layer = problem.layer
         metadata = self._build(
@@ -495,10 +532,12 @@ class _VllmBatch(BoundBatch):
             count,
             causal=problem.causal,
         )
-        if output is None:
+        if output is None:  # rows to spare past the end: see _SPARE_PAGES
             output = torch.full(
-                (count, layer.num_heads * layer.head_size), math.nan, dtype=problem.dtype
-            )
+                (count + _SPARE_ROWS, layer.num_heads * layer.head_size),
+                math.nan,
+                dtype=problem.dtype,
+            )[:count]
         view = out_view if out_view is not None else output.view(count, layer.num_heads, -1)
         cache = self.kv_cache if kv_cache is None else kv_cache
         if self.separate_update:
@@ -513,6 +552,9 @@ class _VllmBatch(BoundBatch):
         """What vLLM's contract fixes about the cache after a step (module docstring)."""
         if self.raw is None or self._initial is None:
             return None
+        if not torch.equal(self._past_end, self._past_end_initial):
+            changed = int((self._past_end != self._past_end_initial).sum())
+            return f"the step wrote {changed} byte(s) past the end of the KV cache"
         if updated is not None and not torch.equal(self.raw, updated):
             changed = int((self.raw != updated).sum())
             return (
@@ -586,6 +628,22 @@ class _VllmBatch(BoundBatch):
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+def _fill(flat: torch.Tensor, values: list[float]) -> None:
+    """``flat`` (one dimension) cycling through ``values``."""
+    pattern = torch.tensor(values, dtype=flat.dtype)
+    flat.copy_(pattern.repeat(flat.numel() // len(values) + 1)[: flat.numel()])
+
+
+def _used_blocks(problem: Any) -> list[int]:
+    """The blocks the batch's sequences use (their block-table columns up to their length)."""
+    block_size: int = problem.block_size
+    used: set[int] = set()
+    for row, length in enumerate(problem.seq_lens):
+        count = -(-int(length) // block_size)
+        used.update(int(b) for b in problem.block_table[row, :count])
+    return sorted(used)
 
 
 def _ask(owner: Any, method: str, default: Any) -> Any:
