@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,6 +26,7 @@ cases = st.builds(
     table=st.sampled_from(["shuffled", "shared"]),
     output=st.booleans(),
     padded=st.booleans(),
+    finite_tails=st.booleans(),
 )
 
 
@@ -93,3 +96,35 @@ def test_which_outcomes_conform() -> None:
         Outcome.REFUSED,
         Outcome.WORKS_UNDECLARED,
     }
+
+
+def test_finite_tails_fill_the_used_blocks_with_finite_values_only() -> None:
+    """A ``finitetails`` cell: the unwritten slots of the blocks a sequence uses hold +-max,
+    the blocks none uses keep the NaN and Inf; the same cell without it has NaN tails."""
+    import torch
+
+    from attn_di.conformance._problem import make_problem
+
+    case = Case.from_id("fp32-gqa2-decode-len40-block16-finitetails")
+    assert case.finite_tails
+    assert "finite_tails" in case.features
+    problem = make_problem(case, seed=0)
+    used, spare = _used_and_spare_blocks(problem)
+    assert spare
+    largest = torch.finfo(torch.float32).max
+    assert bool(problem.cache[:, used].isfinite().all())
+    assert bool((problem.cache[:, used].abs() == largest).any())
+    assert bool(problem.cache[:, spare].isnan().any())
+    strict = make_problem(case.with_(finite_tails=False), seed=0)
+    strict_used, _ = _used_and_spare_blocks(strict)
+    assert bool(strict.cache[:, strict_used].isnan().any())
+
+
+def _used_and_spare_blocks(problem: Any) -> tuple[list[int], list[int]]:
+    import math
+
+    used: set[int] = set()
+    for row, length in enumerate(problem.seq_lens):
+        used.update(int(b) for b in problem.block_table[row, : math.ceil(length / 16)])
+    spare = set(range(problem.cache.shape[1])) - used
+    return sorted(used), sorted(spare)

@@ -127,3 +127,21 @@ def test_a_plan_of_case_ids_runs_only_those() -> None:
     assert plan.rerun(next(plan.cases())) == (
         "attn-di conform CPU_ATTN --case bf16-gqa2-decode-len40-block16 --seed 0"
     )
+
+
+def test_a_contract_with_finite_tails_gets_finite_tail_cells_and_nan_tail_probes() -> None:
+    """``nan_tails=False`` (vLLM's contract): every cache cell has finite tails but two
+    probes with the kit's NaN tails; encoder cells are unchanged; the default (attn_di's
+    contract) has no finite-tail cell at all."""
+    finite = dataclasses.replace(ALL, nan_tails=False)
+    cases = list(build_matrix(finite, seed=0))
+    strict = [case.id for case in cases if case.uses_cache and not case.finite_tails]
+    assert strict == ["bf16-gqa2-decode-len40-block16", "fp32-gqa2-mixed-len40-block16"]
+    assert all(not case.finite_tails for case in cases if not case.uses_cache)
+    assert len(cases) == len(list(build_matrix(ALL, seed=0))) + 2
+    assert not any(case.finite_tails for case in build_matrix(ALL, seed=0))
+    full = build_matrix(finite, full=True, dtypes=["float16"])
+    assert {case.id for case in full if case.uses_cache and not case.finite_tails} == {
+        "fp16-gqa2-decode-len40-block16",
+        "fp16-gqa2-mixed-len40-block16",
+    }
