@@ -9,7 +9,6 @@ spied on to show that its kernel computed the cells.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -18,8 +17,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (run in .venv-vllm)")
 
-from attn_di.conformance import ConformanceReport, Outcome  # noqa: E402
-from attn_di.conformance._report import CellResult  # noqa: E402
+from attn_di.conformance import ConformanceReport, Outcome
+from attn_di.conformance._report import CellResult
 
 REPO = Path(__file__).resolve().parents[2]
 NAN_TAIL_CELLS = ("bf16-gqa2-decode-len40-block64", "fp32-gqa2-mixed-len40-block64")
@@ -28,7 +27,8 @@ NAN_TAIL_CELLS = ("bf16-gqa2-decode-len40-block64", "fp32-gqa2-mixed-len40-block
 def _script() -> ModuleType:
     path = REPO / "scripts" / "vllm_conformance_table.py"
     spec = importlib.util.spec_from_file_location("vllm_conformance_table", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -40,7 +40,7 @@ def _table() -> ModuleType:
 
 
 @pytest.fixture(scope="module", name="measured")
-def _measured(table: ModuleType) -> Iterator[tuple[ConformanceReport, int]]:
+def _measured(table: ModuleType) -> tuple[ConformanceReport, int]:
     """The default run, and how many times vLLM's attention op ran in this process."""
     from vllm import _custom_ops
 
@@ -55,7 +55,7 @@ def _measured(table: ModuleType) -> Iterator[tuple[ConformanceReport, int]]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_custom_ops, "cpu_attention_with_kv_cache", spy)
         report = table.measure()
-    yield report, calls
+    return report, calls
 
 
 @pytest.fixture(name="report")
@@ -135,7 +135,8 @@ def test_undeclared_values_are_refused_untyped_or_work(report: ConformanceReport
     for result, words in ((head, "Unsupported CPU attention configuration"), (block, "block_size")):
         assert result.outcome is Outcome.FAIL_UNDECLARED
         assert result.reason is not None
-        assert "RuntimeError" in result.reason and words in result.reason
+        assert "RuntimeError" in result.reason
+        assert words in result.reason
     assert by_id["bf16-gqa2-decode-len40-sinks-block64-finitetails"].outcome is (
         Outcome.WORKS_UNDECLARED
     )
@@ -149,7 +150,8 @@ def test_malformed_inputs_are_not_validated(report: ConformanceReport) -> None:
     assert by_id[prefix + "query_shape"].outcome is Outcome.CRASH
     key_dtype = by_id[prefix + "key_dtype"]
     assert key_dtype.outcome is Outcome.FAIL
-    assert key_dtype.reason is not None and "RuntimeError" in key_dtype.reason
+    assert key_dtype.reason is not None
+    assert "RuntimeError" in key_dtype.reason
     for what in (
         "kv_heads",
         "cache_shape",
