@@ -12,6 +12,7 @@ import ast
 import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -220,3 +221,97 @@ def test_the_cli_reference_is_the_generated_help(site: Path) -> None:
         assert f"{command} --help" in page
     assert "usage: attn-di run" in page
     assert "--wide" in page
+
+
+# -- the conformance tutorial's runs ---------------------------------------------------------
+
+CONFORMANCE_TUTORIAL = ROOT / "docs" / "tutorials" / "conformance.md"
+_SUMMARY = re.compile(r"^(?P<counts>NAIVE_ATTN: .*) in [\d.]+ s: (?P<verdict>.*)$", re.M)
+
+
+def _fences(page: Path, language: str) -> list[tuple[list[str], str]]:
+    """``(info words, code)`` of every ``language`` fence of ``page``, in order."""
+    tokens = MarkdownIt("commonmark").parse(page.read_text())
+    return [(t.info.split(), t.content) for t in tokens
+            if t.type == "fence" and t.info.split()[:1] == [language]]  # fmt: skip
+
+
+def _file_block(page: Path, name: str) -> str:
+    (code,) = [code for words, code in _fences(page, "python") if f"file:{name}" in words]
+    return code
+
+
+def _run_command(line: str, folder: Path) -> subprocess.CompletedProcess[str]:
+    """Run a page's ``attn-di ...`` or ``pytest ...`` line in ``folder``, with this
+    checkout's attn_di and the interpreter that runs the tests."""
+    program, *args = shlex.split(line)
+    commands = {
+        "attn-di": [sys.executable, "-m", "attn_di"],
+        "pytest": [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"],
+    }
+    command = commands[program]
+    env = {name: value for name, value in os.environ.items() if not name.startswith("ATTN_DI_")}
+    env["PYTHONPATH"] = str(SRC)
+    return subprocess.run(
+        [*command, *args], cwd=folder, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def _assert_summary_on_page(output: str, page: str) -> None:
+    """The run's last line, its time aside, is on the page."""
+    match = _SUMMARY.search(output)
+    assert match, output
+    shown = re.escape(match["counts"]) + r" in [\d.]+ s: " + re.escape(match["verdict"])
+    assert re.search(shown, page), match[0]
+
+
+def test_the_conformance_tutorial_shows_what_the_kit_prints(tmp_path: Path) -> None:
+    """The conformance tutorial's commands, run as a reader runs them: on the first
+    tutorial's backend they fail its padded and malformed-input cells, on the fixed one they
+    conform, on the page's deliberate bug they fail the gqa2/4/8 cells and the printed re-run
+    command re-runs one cell alone; each run's counts and verdict are the page's, as are the
+    re-run lines the page shows and the pytest option's numbers."""
+    page = CONFORMANCE_TUTORIAL.read_text()
+    lines = [line for _, code in _fences(CONFORMANCE_TUTORIAL, "bash")
+             for line in code.splitlines() if line.strip()]  # fmt: skip
+    first, again, one_cell, option = lines
+    assert first == again == "attn-di conform my_attention:NaiveBackend"
+    fixed = _file_block(CONFORMANCE_TUTORIAL, "my_attention.py")
+    (diff,) = [code for _, code in _fences(CONFORMANCE_TUTORIAL, "diff")]
+    removed = "".join(line[1:] + "\n" for line in diff.splitlines() if line.startswith("-"))
+    added = "".join(line[1:] + "\n" for line in diff.splitlines() if line.startswith("+"))
+    assert fixed.count(removed) == 1
+    backends = {
+        "original": _file_block(ROOT / "docs" / "tutorials" / "your-own-backend.md",
+                                "my_attention.py"),
+        "fixed": fixed,
+        "buggy": fixed.replace(removed, added),
+    }  # fmt: skip
+    outputs = []
+    for name, source in backends.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "my_attention.py").write_text(source)
+        result = _run_command(first, tmp_path / name)
+        assert result.returncode == (0 if name == "fixed" else 1), result.stdout + result.stderr
+        _assert_summary_on_page(result.stdout, page)
+        failing = re.findall(r"^FAIL\w* (\S+):", result.stdout, re.M)
+        if name == "original":
+            assert failing
+            assert all("padded" in cell or "-bad_" in cell for cell in failing), failing
+        elif name == "buggy":
+            assert failing
+            assert all(re.search(r"-gqa[248]-", cell) for cell in failing), failing
+        outputs.append(result.stdout)
+    for rerun in re.findall(r"^  rerun: .*$", page, re.M):
+        assert any(rerun in output for output in outputs), rerun
+    cell = re.search(r"--case (\S+)", one_cell)
+    assert cell
+    assert f"  rerun: {one_cell}" in outputs[2]
+    result = _run_command(one_cell, tmp_path / "buggy")
+    assert result.returncode == 1
+    assert re.findall(r"^FAIL\w* (\S+):", result.stdout, re.M) == [cell[1]]
+    result = _run_command(option, tmp_path / "fixed")
+    assert result.returncode == 0, result.stdout + result.stderr
+    counts = re.search(r"(\d+) passed, (\d+) skipped", result.stdout)
+    assert counts, result.stdout
+    assert f"runs {counts[1]} tests and skips {counts[2]}" in page

@@ -93,6 +93,22 @@ def test_check_names_the_gate_that_failed(tmp_path: Path) -> None:
     ), result.stderr
 
 
+def test_check_reports_a_failed_vllm_setup_at_the_vllm_gate(tmp_path: Path) -> None:
+    """.venv-vllm is set up in the background; its failure stops the run at the vLLM gate
+    with the set-up's own output and exit status, after the other gates passed."""
+    tree = _scratch(tmp_path, "check.sh")
+    (tree / "scripts" / "setup-vllm.sh").write_text("echo 'setup-vllm: no index'; exit 4\n")
+    result = _run(tree, "check.sh")
+    assert result.returncode == 4
+    assert "setup-vllm: no index" in result.stdout
+    assert "scripts/setup-vllm.sh failed (exit 4)" in result.stderr
+    assert re.search(
+        r"FAILED at gate 'vLLM: tests/vllm in \.venv-vllm \(set-up included\)' after \d+ s "
+        rf"\({len(CHECK_GATES) - 1} gate\(s\) passed before it\)",
+        result.stderr,
+    ), result.stderr
+
+
 def test_main_times_each_part_and_closes_with_the_count(tmp_path: Path) -> None:
     """Each of the four parts ends with its time; the last line: main: 4/4 parts passed."""
     result = _run(_scratch(tmp_path, "main.sh"), "main.sh")

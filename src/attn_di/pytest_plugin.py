@@ -20,7 +20,8 @@ marker closest to the test wins.
 Options: ``--attn-di-conform=TARGET`` (repeatable) collects the conformance kit's cells of
 each target as tests (:mod:`attn_di.conformance`; items ``attn-di-conform[TARGET]::CELL``,
 marked ``attn_di_conform``, so ``-m attn_di_conform`` runs only them);
-``--attn-di-conform-full`` the full matrix, ``--attn-di-conform-seed=N`` its seed.
+``--attn-di-conform-full`` the full matrix, ``--attn-di-conform-seed=N`` its seed,
+``--attn-di-conform-shard=K/N`` only the K-th of N shards of the cells.
 
 Nothing is autouse except the marker hook, which only looks for the marker. Importing this
 module imports attn_di (light: no torch, no entry-point scan); the kit is imported only when
@@ -74,6 +75,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="N",
         help="the seed of the conformance cells (default 0)",
     )
+    group.addoption(
+        "--attn-di-conform-shard",
+        default=None,
+        metavar="K/N",
+        help="only the K-th of N shards of the conformance cells (N CI jobs share one run)",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -92,6 +99,7 @@ def pytest_collection_modifyitems(
             targets,
             full=bool(config.getoption("attn_di_conform_full")),
             seed=int(config.getoption("attn_di_conform_seed")),
+            shard=config.getoption("attn_di_conform_shard"),
         )
     except AttnDIError as error:
         raise pytest.UsageError(f"--attn-di-conform: {error}") from error

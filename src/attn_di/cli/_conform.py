@@ -29,6 +29,7 @@ def run_conform(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtypes=args.dtype or None,
         case_ids=args.case or None,
+        shard=args.shard,
     )
     started = time.perf_counter()
     with _Progress(len(plan), plan.driver.backend_name) as advance:
@@ -41,7 +42,7 @@ def run_conform(args: argparse.Namespace) -> int:
     else:
         title = (
             f"{report.backend_name} ({report.target}): {len(report.results)} cells, "
-            f"{'full' if report.full else 'default'} matrix, seed {report.seed}"
+            f"{report.matrix_name()}, seed {report.seed}"
         )
         print_table(title, CAPABILITY_COLUMNS, capability_rows(report.results))
         for result in report.failures():

@@ -197,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID",
         help="run only this cell (its id, as a failing cell's rerun line gives it; repeatable)",
     )
+    conform.add_argument(
+        "--shard",
+        metavar="K/N",
+        help="run only the K-th of N shards of the cells (every N-th cell from the K-th), so "
+        "N jobs share one run, e.g. --full --shard 3/8",
+    )
     return parser
 
 

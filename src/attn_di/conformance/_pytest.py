@@ -22,6 +22,7 @@ def conformance_tests(
     seed: int = 0,
     dtypes: Sequence[str] | None = None,
     case_ids: Sequence[str] | None = None,
+    shard: tuple[int, int] | str | None = None,
 ) -> Callable[..., None]:
     """A pytest test function with one test per cell of the backend's matrix.
 
@@ -47,7 +48,9 @@ def conformance_tests(
 
     from attn_di.conformance._runner import plan_conformance
 
-    plan = plan_conformance(target, full=full, seed=seed, dtypes=dtypes, case_ids=case_ids)
+    plan = plan_conformance(
+        target, full=full, seed=seed, dtypes=dtypes, case_ids=case_ids, shard=shard
+    )
     cases = list(plan.cases())
 
     @pytest.mark.parametrize("case", cases, ids=[case.id for case in cases])
@@ -73,13 +76,21 @@ def check_cell(plan: ConformancePlan, case: Case) -> CellResult:
     return result
 
 
-def collect_items(session: Any, targets: Sequence[str], *, full: bool, seed: int) -> list[Any]:
-    """The items of ``--attn-di-conform`` targets: one collector per target, one item per cell."""
+def collect_items(
+    session: Any,
+    targets: Sequence[str],
+    *,
+    full: bool,
+    seed: int,
+    shard: tuple[int, int] | str | None = None,
+) -> list[Any]:
+    """The items of ``--attn-di-conform`` targets: one collector per target, one item per cell
+    (of the shard, when one is given)."""
     from attn_di.conformance._runner import plan_conformance
 
     items: list[Any] = []
     for target in targets:
-        plan = plan_conformance(target, full=full, seed=seed)
+        plan = plan_conformance(target, full=full, seed=seed, shard=shard)
         name = f"attn-di-conform[{plan.target}]"
         collector = _collector_cls().from_parent(session, name=name, nodeid=name)
         for case in plan.cases():

@@ -87,6 +87,7 @@ class ConformanceReport:
         results: one :class:`CellResult` per cell, in run order.
         seed: the run's seed.
         full: whether the full matrix ran (else the default, pairwise one).
+        shard: ``"K/N"`` when the run was the K-th of N shards of the matrix, else None.
         driver: which contract drove the backend (``"attn_di"``).
         environment: where it ran: torch version, CPU, threads.
     """
@@ -96,6 +97,7 @@ class ConformanceReport:
     results: list[CellResult] = field(default_factory=list)
     seed: int = 0
     full: bool = False
+    shard: str | None = None
     driver: str = "attn_di"
     environment: dict[str, str] = field(default_factory=dict)
 
@@ -114,6 +116,11 @@ class ConformanceReport:
         counted = Counter(result.outcome for result in self.results)
         return {outcome.value: counted.get(outcome, 0) for outcome in Outcome}
 
+    def matrix_name(self) -> str:
+        """``"default matrix"``, ``"full matrix"``, with ``", shard K/N"`` for a shard."""
+        name = f"{'full' if self.full else 'default'} matrix"
+        return name if self.shard is None else f"{name}, shard {self.shard}"
+
     def seconds(self) -> float:
         """The cells' total time."""
         return sum(result.seconds for result in self.results)
@@ -126,6 +133,7 @@ class ConformanceReport:
             "driver": self.driver,
             "seed": self.seed,
             "full": self.full,
+            "shard": self.shard,
             "ok": self.ok,
             "counts": self.counts(),
             "seconds": round(self.seconds(), 3),
@@ -142,8 +150,7 @@ class ConformanceReport:
         lines = [
             f"### {self.backend_name} (`{self.target}`)",
             "",
-            f"{len(self.results)} cells ({'full' if self.full else 'default'} matrix, seed "
-            f"{self.seed}): "
+            f"{len(self.results)} cells ({self.matrix_name()}, seed {self.seed}): "
             + ", ".join(f"{count} {name}" for name, count in self.counts().items() if count)
             + ("" if self.ok else " — **not conformant**"),
             "",

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,6 +22,7 @@ __all__ = [
     "REFUSALS",
     "TYPED_ERRORS",
     "ConformancePlan",
+    "parse_shard",
     "plan_conformance",
     "run_conformance",
 ]
@@ -39,6 +42,38 @@ range too); ``RuntimeError``, ``AssertionError`` and the rest do not."""
 Progress = Callable[[CellResult, int, int], None]
 """``progress(result, done, total)``, called after each cell."""
 
+_SHARD = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
+
+
+def parse_shard(shard: object) -> tuple[int, int] | None:
+    """``"K/N"`` (or ``(K, N)``) as ``(K, N)``: the K-th of N shards, 1 <= K <= N.
+
+    Shard K of N holds the cells at positions K-1, K-1+N, K-1+2N, ... of the run's order, so
+    the N shards of one seed hold every cell exactly once (N CI jobs share a long run).
+
+    Raises:
+        InvalidInputError: anything else (``"0/4"``, ``"5/4"``, ``"2-4"``), naming the value.
+    """
+    if shard is None:
+        return None
+    if isinstance(shard, tuple) and len(shard) == 2 and all(type(x) is int for x in shard):
+        index, count = shard
+    elif isinstance(shard, str) and (match := _SHARD.fullmatch(shard)):
+        index, count = int(match[1]), int(match[2])
+    else:
+        raise InvalidInputError(
+            "shard", f"{shard!r} is not K/N", hint="K/N with 1 <= K <= N, e.g. 2/4"
+        )
+    if not 1 <= index <= count:
+        shards = max(count, 1)
+        closest = min(max(index, 1), shards)
+        raise InvalidInputError(
+            "shard",
+            f"{shard!r}: K must be between 1 and N (shards are numbered from 1)",
+            hint=f"one of 1/{shards} ... {shards}/{shards}; the closest is {closest}/{shards}",
+        )
+    return index, count
+
 
 class ConformancePlan:
     """The cells of one run and how to run each (what :func:`run_conformance` and
@@ -48,16 +83,24 @@ class ConformancePlan:
         driver: the backend's driver.
         seed: the run's seed.
         full: whether the matrix is the full product.
-        matrix: the cells (or the ``case_ids`` given).
+        matrix: the cells (or the ``case_ids`` given), all shards'.
+        shard: ``(K, N)`` when the plan is the K-th of N shards of ``matrix``, else None.
     """
 
     def __init__(
-        self, driver: Driver, matrix: Matrix | Sequence[Case], *, seed: int, full: bool
+        self,
+        driver: Driver,
+        matrix: Matrix | Sequence[Case],
+        *,
+        seed: int,
+        full: bool,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         self.driver = driver
         self.seed = seed
         self.full = full
         self.matrix = matrix
+        self.shard = shard
         self._subprocess_results: dict[str, CellResult] | None = None
 
     @property
@@ -66,11 +109,17 @@ class ConformancePlan:
         return self.driver.target
 
     def __len__(self) -> int:
-        return len(self.matrix)
+        if self.shard is None:
+            return len(self.matrix)
+        index, count = self.shard
+        return len(range(index - 1, len(self.matrix), count))
 
     def cases(self) -> Iterator[Case]:
-        """The cells, in order."""
-        return iter(self.matrix)
+        """The cells (of this shard), in order."""
+        if self.shard is None:
+            return iter(self.matrix)
+        index, count = self.shard
+        return itertools.islice(self.matrix, index - 1, None, count)
 
     def rerun(self, case: Case) -> str:
         """The one-line command that re-runs ``case`` alone."""
@@ -104,6 +153,7 @@ class ConformancePlan:
             backend_name=self.driver.backend_name,
             seed=self.seed,
             full=self.full,
+            shard=None if self.shard is None else f"{self.shard[0]}/{self.shard[1]}",
             driver=self.driver.name,
             environment=self.driver.environment(),
         )
@@ -141,27 +191,30 @@ def plan_conformance(
     seed: int = 0,
     dtypes: Sequence[str] | None = None,
     case_ids: Sequence[str] | None = None,
+    shard: tuple[int, int] | str | None = None,
 ) -> ConformancePlan:
     """Which cells a run has and how it runs them, without running any.
 
     Args: as :func:`run_conformance`.
 
     Raises:
-        InvalidInputError: an unknown dtype or a malformed case id.
-        and what target resolution raises (an unknown name, a path that does not import).
+        InvalidInputError: an unknown dtype, a malformed case id or shard.
+        UnknownBackendError, BackendImportError, InvalidBackendTypeError: a target that does
+            not name a backend class (as :func:`run_conformance`).
     """
     from attn_di.conformance._matrix import build_matrix
     from attn_di.conformance._target import resolve_driver
 
     wanted = None if dtypes is None else [_dtype(d) for d in dtypes]
     cases = None if case_ids is None else [Case.from_id(case_id) for case_id in case_ids]
+    part = parse_shard(shard)
     driver = resolve_driver(target)
     if cases is not None:
         if wanted is not None:
             cases = [case for case in cases if case.dtype in wanted]
-        return ConformancePlan(driver, cases, seed=int(seed), full=full)
+        return ConformancePlan(driver, cases, seed=int(seed), full=full, shard=part)
     matrix = build_matrix(driver.capabilities(), seed=int(seed), full=full, dtypes=wanted)
-    return ConformancePlan(driver, matrix, seed=int(seed), full=full)
+    return ConformancePlan(driver, matrix, seed=int(seed), full=full, shard=part)
 
 
 def run_conformance(
@@ -171,6 +224,7 @@ def run_conformance(
     seed: int = 0,
     dtypes: Sequence[str] | None = None,
     case_ids: Sequence[str] | None = None,
+    shard: tuple[int, int] | str | None = None,
     progress: Progress | None = None,
 ) -> ConformanceReport:
     """Run the conformance matrix on a backend.
@@ -182,6 +236,8 @@ def run_conformance(
         seed: picks the pairwise cells and every cell's random data.
         dtypes: only cells of these dtypes (``"bfloat16"``, ``"bf16"``, ``torch.float16``).
         case_ids: only these cells (ids as :attr:`Case.id`), whatever the matrix.
+        shard: ``"K/N"`` or ``(K, N)``: only the K-th of N shards of the cells
+            (:func:`parse_shard`), so that N jobs share one long run (``full=True``).
         progress: called after each cell with ``(result, done, total)``.
 
     Returns:
@@ -190,9 +246,11 @@ def run_conformance(
     Raises:
         UnknownBackendError, BackendImportError, InvalidBackendTypeError: a target that does
             not name a backend class.
-        InvalidInputError: an unknown dtype or a malformed case id.
+        InvalidInputError: an unknown dtype, a malformed case id or shard.
     """
-    plan = plan_conformance(target, full=full, seed=seed, dtypes=dtypes, case_ids=case_ids)
+    plan = plan_conformance(
+        target, full=full, seed=seed, dtypes=dtypes, case_ids=case_ids, shard=shard
+    )
     return plan.run(progress)
 
 
