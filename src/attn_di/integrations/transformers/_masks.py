@@ -33,9 +33,10 @@ __all__ = [
     "BIDIRECTIONAL",
     "CAUSAL",
     "LAYER_TYPES",
-    "LayerSupport",
+    "MASK_FUNCTIONS",
     "MaskPattern",
     "MaskTag",
+    "Support",
     "check_layer",
     "layer_type",
     "left_padding",
@@ -46,15 +47,18 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class LayerSupport:
-    """How attn_di treats one of transformers' layer types.
+class Support:
+    """How attn_di treats one of transformers' layer types or mask functions.
 
     Attributes:
-        kind: ``"full"`` (causal, or bidirectional where the layer is not causal; a window
-            when the layer passes ``sliding_window``), ``"sliding"`` (a causal sliding
-            window), ``"chunked"`` (causal within chunks of ``attention_chunk_size``),
+        kind: for a layer type: ``"full"`` (causal, or bidirectional where the layer is
+            not causal; a window when the layer passes ``sliding_window``), ``"sliding"``
+            (a causal sliding window), ``"chunked"`` (causal within chunks of
+            ``attention_chunk_size``),
             ``"not_attention"`` (a recurrent, convolution or MLP layer: transformers calls no
-            attention function for it) or ``"refused"``.
+            attention function for it) or ``"refused"``; for a mask function:
+            ``"computed"``, ``"refused"``, ``"not_attention"`` or ``"dispatch"`` (it calls
+            the others, per layer type).
         reason: what the layer type does, and for ``"refused"`` why attn_di cannot run it.
     """
 
@@ -62,7 +66,7 @@ class LayerSupport:
     reason: str
 
 
-def _table() -> Mapping[str, LayerSupport]:
+def _table() -> Mapping[str, Support]:
     full = "causal attention over every earlier token (bidirectional where is_causal=False)"
     sliding = "causal attention over the last sliding_window tokens"
     recurrent = "a recurrent or convolution layer: no attention function call"
@@ -71,32 +75,32 @@ def _table() -> Mapping[str, LayerSupport]:
         "pattern attn_di's backends do not compute"
     )
     table = {
-        "full_attention": LayerSupport("full", full),
-        "attention": LayerSupport("full", full + " (transformers' old name)"),
-        "hybrid": LayerSupport("full", full + ", beside the layer's recurrent state"),
-        "window_attention": LayerSupport(
+        "full_attention": Support("full", full),
+        "attention": Support("full", full + " (transformers' old name)"),
+        "hybrid": Support("full", full + ", beside the layer's recurrent state"),
+        "window_attention": Support(
             "full",
             "non-overlapping windows that the model cuts before calling attention "
             "(bidirectional within each call)",
         ),
-        "sliding_attention": LayerSupport("sliding", sliding),
-        "hybrid_sliding": LayerSupport("sliding", sliding + ", beside a recurrent state"),
-        "chunked_attention": LayerSupport(
+        "sliding_attention": Support("sliding", sliding),
+        "hybrid_sliding": Support("sliding", sliding + ", beside a recurrent state"),
+        "chunked_attention": Support(
             "chunked", "causal attention within chunks of attention_chunk_size tokens"
         ),
-        "linear_attention": LayerSupport("not_attention", recurrent),
-        "mamba": LayerSupport("not_attention", recurrent + " (transformers' old name)"),
-        "conv": LayerSupport("not_attention", recurrent),
-        "moe": LayerSupport("not_attention", "a mixture-of-experts block without attention"),
-        "sparse": LayerSupport("not_attention", "an MLP layer type (mlp_layer_types)"),
-        "dense": LayerSupport("not_attention", "an MLP layer type (mlp_layer_types)"),
-        "indexed_attention": LayerSupport("refused", sparse),
-        "deepseek_sparse_attention": LayerSupport("refused", sparse),
-        "qwen_sparse_attention": LayerSupport("refused", sparse),
-        "compressed_sparse_attention": LayerSupport("refused", sparse),
-        "heavily_compressed_attention": LayerSupport("refused", sparse),
-        "minimax_m3_sparse": LayerSupport("refused", sparse),
-        "reference_sliding_attention": LayerSupport(
+        "linear_attention": Support("not_attention", recurrent),
+        "mamba": Support("not_attention", recurrent + " (transformers' old name)"),
+        "conv": Support("not_attention", recurrent),
+        "moe": Support("not_attention", "a mixture-of-experts block without attention"),
+        "sparse": Support("not_attention", "an MLP layer type (mlp_layer_types)"),
+        "dense": Support("not_attention", "an MLP layer type (mlp_layer_types)"),
+        "indexed_attention": Support("refused", sparse),
+        "deepseek_sparse_attention": Support("refused", sparse),
+        "qwen_sparse_attention": Support("refused", sparse),
+        "compressed_sparse_attention": Support("refused", sparse),
+        "heavily_compressed_attention": Support("refused", sparse),
+        "minimax_m3_sparse": Support("refused", sparse),
+        "reference_sliding_attention": Support(
             "refused",
             "full attention over the prompt and a ring-buffered window over generated "
             "tokens: a pattern attn_di's backends do not compute",
@@ -105,9 +109,59 @@ def _table() -> Mapping[str, LayerSupport]:
     return MappingProxyType(dict(sorted(table.items())))
 
 
-LAYER_TYPES: Mapping[str, LayerSupport] = _table()
+LAYER_TYPES: Mapping[str, Support] = _table()
 """Every layer type of transformers 5.24 (``ALLOWED_LAYER_TYPES``, the mask registry's keys
 and the old names it remaps), classified. A type not listed is refused."""
+
+
+def _mask_table() -> Mapping[str, Support]:
+    computed, refused = "computed", "refused"
+    packed = "several sequences packed in one row (position_ids restarting, no attention_mask)"
+    table = {
+        "causal_mask_function": Support(computed, "causal"),
+        "bidirectional_mask_function": Support(computed, "bidirectional (encoder-only)"),
+        "padding_mask_function": Support(computed, "padding: attn_di drops padding tokens"),
+        "add_offsets_to_mask_function": Support(
+            computed, "the cache's offsets: patterns are read at absolute positions"
+        ),
+        "sliding_window_overlay": Support(computed, "the causal sliding window"),
+        "sliding_window_causal_mask_function": Support(computed, "the causal sliding window"),
+        "chunked_overlay": Support(computed, "chunks of attention_chunk_size"),
+        "chunked_causal_mask_function": Support(computed, "causal within chunks"),
+        "sliding_window_bidirectional_overlay": Support(refused, "a bidirectional window"),
+        "sliding_window_bidirectional_mask_function": Support(refused, "a bidirectional window"),
+        "blockwise_overlay": Support(
+            refused, "bidirectional blocks inside a causal mask (block_sequence_ids)"
+        ),
+        "packed_sequence_mask_function": Support(refused, packed),
+        "create_causal_mask": Support(
+            computed,
+            "causal (bidirectional for is_causal=False configs); refused with "
+            "or_mask_function/and_mask_function, block_sequence_ids or packed sequences",
+        ),
+        "create_bidirectional_mask": Support(
+            computed, "bidirectional; refused with or_mask_function/and_mask_function"
+        ),
+        "create_sliding_window_causal_mask": Support(
+            computed, "the causal sliding window; refused as create_causal_mask is"
+        ),
+        "create_chunked_causal_mask": Support(
+            computed, "causal within chunks; refused as create_causal_mask is"
+        ),
+        "create_bidirectional_sliding_window_mask": Support(
+            refused, "a bidirectional window (accepted only where it equals bidirectional)"
+        ),
+        "create_recurrent_attention_mask": Support(
+            "not_attention", "the padding of recurrent layers: no attention function call"
+        ),
+        "create_masks_for_generate": Support("dispatch", "one of the above per layer type"),
+    }
+    return MappingProxyType(dict(sorted(table.items())))
+
+
+MASK_FUNCTIONS: Mapping[str, Support] = _mask_table()
+"""transformers 5.24's mask functions and mask makers (``transformers.masking_utils``: the
+``*_mask_function``, ``*_overlay`` and ``create_*`` functions), classified."""
 
 
 @dataclass(frozen=True)
@@ -329,7 +383,7 @@ def check_layer(
             the layer, its type and the fix.
     """
     kind = layer_type(module)
-    support = LAYER_TYPES.get(kind) if kind is not None else LayerSupport("full", "")
+    support = LAYER_TYPES.get(kind) if kind is not None else Support("full", "")
     where = _where(module, kind)
     if support is None or support.kind in ("refused", "not_attention"):
         reason = support.reason if support is not None else "a layer type attn_di does not know"
