@@ -117,19 +117,21 @@ def _llama4_fixture() -> dict[str, Any]:
 def _chunk_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records each call of the chunked paths of the attention function (a spy)."""
     calls: list[str] = []
-    chunked, paged_chunks = _attention._chunked, _attention._paged_chunks
+    chunked = getattr(_attention, "_chunked", None)  # absent before attn_di ran chunks
+    paged_chunks = getattr(_attention, "_paged_chunks", None)
 
     def spy_chunked(*args: Any) -> Any:
         calls.append("contiguous")
-        return chunked(*args)
+        return chunked(*args)  # type: ignore[misc]
 
     def spy_paged(*args: Any) -> Any:
-        metadata = paged_chunks(*args)
+        metadata = paged_chunks(*args)  # type: ignore[misc]
         calls.append("paged" if metadata is not None else "paged-first-chunk")
         return metadata
 
-    monkeypatch.setattr(_attention, "_chunked", spy_chunked)
-    monkeypatch.setattr(_attention, "_paged_chunks", spy_paged)
+    if chunked is not None and paged_chunks is not None:
+        monkeypatch.setattr(_attention, "_chunked", spy_chunked)
+        monkeypatch.setattr(_attention, "_paged_chunks", spy_paged)
     return calls
 
 
