@@ -11,6 +11,11 @@ layer's impl from a cache keyed by (backend class, settings), then run one of th
   are packed into a one-block-per-row scratch cache in attn_di's layout;
 * non-causal self-attention (encoders such as BERT): attn_di's ``encoder_only`` mode.
 
+A chunked layer (``chunked_attention``) whose tokens reach past the first chunk runs each
+(row, chunk) of its queries as a sequence of its own, over that chunk's keys (a scratch cache
+of one block per chunk, or the chunk's blocks of a :class:`PagedCache`). Before any path, the
+layer's type and its mask are checked (``_masks.check_layer``): refused types and masks fail.
+
 Padding tokens (0 in the 2-D ``attention_mask``) are dropped before the impl sees the batch
 (vLLM's packed layout, ``query_start_loc``) and get zeros in the output.
 """
@@ -123,8 +128,9 @@ class AttentionFunction:
             ``([B, q, H, D] output in the query's dtype, None)``; padding rows are zeros.
 
         Raises:
-            UnsupportedFeatureError: dropout, cross-attention, or a feature the asked-for
-                backend lacks.
+            UnsupportedFeatureError: dropout, cross-attention, a feature the asked-for
+                backend lacks, a layer type attn_di refuses, or a mask that is not the
+                layer's pattern (see ``_masks.check_layer``).
             BackendRejectedError: a forced or named backend refuses the layer.
             NoValidBackendError: no candidate backend accepts the layer.
             InvalidInputError: a 4-D or otherwise foreign ``attention_mask``.
