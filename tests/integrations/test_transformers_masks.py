@@ -163,6 +163,24 @@ def test_chunked_attention_matches_eager(
     assert "paged" in chunk_calls
 
 
+def test_chunked_attention_matches_eager_on_right_padding(llama4: dict[str, Any]) -> None:
+    """Right padding (chunks counted from column 0) and one-chunk rows in the same batch."""
+    model = llama4["model"]
+    rows = [[5, 6, 7], [1, 2, 3, 4, 9, 10, 11, 12, 13, 14]]
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    real = mask.bool()
+    outputs = {}
+    for implementation in ("eager", implementation_name("CPU_ATTN")):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            outputs[implementation] = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(
+        outputs[implementation][real], outputs["eager"][real], rtol=0, atol=1e-5
+    )
+
+
 def test_paged_cache_refuses_a_block_size_that_does_not_divide_the_chunk(
     llama4: dict[str, Any],
 ) -> None:
