@@ -284,20 +284,25 @@ def mask_patterns(
     pads = left_padding(attention_mask, batch_size)[:, None, None]
     q_idx, kv_idx = q_pos[None, :, None], kv_pos[None, None, :]
     causal = kv_idx <= q_idx
-    candidates: dict[MaskPattern, torch.Tensor] = {
-        CAUSAL: causal,
-        BIDIRECTIONAL: torch.ones_like(causal),
-    }
+
+    def expected(pattern: MaskPattern) -> torch.Tensor:  # one candidate at a time: memory
+        if pattern == CAUSAL:
+            return causal
+        if pattern == BIDIRECTIONAL:
+            return torch.ones_like(causal)
+        size = int(pattern.size or 1)
+        if pattern.kind == "sliding":
+            return causal & (kv_idx > q_idx - size)
+        kv_chunk = (kv_idx - pads).div(size, rounding_mode="floor")
+        return causal & (kv_chunk == (q_idx - pads).div(size, rounding_mode="floor"))
+
+    candidates = [CAUSAL, BIDIRECTIONAL]
     for size in sorted({int(s) for s in sizes if s and int(s) > 0}):
-        candidates[MaskPattern("sliding", size)] = causal & (kv_idx > q_idx - size)
-        same_chunk = (kv_idx - pads).div(size, rounding_mode="floor") == (q_idx - pads).div(
-            size, rounding_mode="floor"
-        )
-        candidates[MaskPattern("chunked", size)] = causal & same_chunk
+        candidates += [MaskPattern("sliding", size), MaskPattern("chunked", size)]
     found = frozenset(
         pattern
-        for pattern, expected in candidates.items()
-        if not bool(((allowed ^ expected) & relevant).any())
+        for pattern in candidates
+        if not bool(((allowed ^ expected(pattern)) & relevant).any())
     )
     if not found:
         raise _foreign(
