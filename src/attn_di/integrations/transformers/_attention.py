@@ -11,6 +11,11 @@ layer's impl from a cache keyed by (backend class, settings), then run one of th
   are packed into a one-block-per-row scratch cache in attn_di's layout;
 * non-causal self-attention (encoders such as BERT): attn_di's ``encoder_only`` mode.
 
+A chunked layer (``chunked_attention``) whose tokens reach past the first chunk runs each
+(row, chunk) of its queries as a sequence of its own, over that chunk's keys (a scratch cache
+of one block per chunk, or the chunk's blocks of a :class:`PagedCache`). Before any path, the
+layer's type and its mask are checked (``_masks.check_layer``): refused types and masks fail.
+
 Padding tokens (0 in the 2-D ``attention_mask``) are dropped before the impl sees the batch
 (vLLM's packed layout, ``query_start_loc``) and get zeros in the output.
 """
@@ -35,7 +40,8 @@ from attn_di.exceptions import (
     NoValidBackendError,
     UnsupportedFeatureError,
 )
-from attn_di.integrations.transformers._paged_cache import PENDING, PagedCache
+from attn_di.integrations.transformers._masks import check_layer, mask_tag
+from attn_di.integrations.transformers._paged_cache import PENDING, PagedCache, StepBatch
 from attn_di.integrations.transformers._paged_cache import transformers_name as _transformers_name
 
 if TYPE_CHECKING:
@@ -122,8 +128,9 @@ class AttentionFunction:
             ``([B, q, H, D] output in the query's dtype, None)``; padding rows are zeros.
 
         Raises:
-            UnsupportedFeatureError: dropout, cross-attention, or a feature the asked-for
-                backend lacks.
+            UnsupportedFeatureError: dropout, cross-attention, a feature the asked-for
+                backend lacks, a layer type attn_di refuses, or a mask that is not the
+                layer's pattern (see ``_masks.check_layer``).
             BackendRejectedError: a forced or named backend refuses the layer.
             NoValidBackendError: no candidate backend accepts the layer.
             InvalidInputError: a 4-D or otherwise foreign ``attention_mask``.
@@ -174,6 +181,13 @@ class AttentionFunction:
         sinks = kwargs.get("s_aux")
         window = kwargs.get("sliding_window")
         soft_cap = kwargs.get("softcap")
+        for packed in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            if kwargs.get(packed) is not None:
+                raise _unsupported_call(f"packed sequences ({packed}) in one row")
+        tag = mask_tag(attention_mask)
+        pattern = check_layer(
+            module, causal=causal, window=int(window) if window else None, tag=tag
+        )
         settings = LayerSettings(
             num_heads=int(query.shape[1]),
             head_size=int(query.shape[3]),
@@ -190,6 +204,18 @@ class AttentionFunction:
             if cache is not None:
                 raise _unsupported(backend_cls, "non-causal attention over a PagedCache")
             return _encoder_only(impl, backend_cls, query, key, value, valid), None
+        if pattern.kind == "chunked":
+            assert tag is not None  # check_layer refuses a chunked layer without a tag
+            assert pattern.size is not None
+            width = int(attention_mask.shape[1])  # type: ignore[union-attr]
+            chunk = pattern.size
+            if cache is not None:
+                positions = tag.positions(int(query.shape[2]), width)
+                return _paged(impl, backend_cls, cache, module, query, key, value, valid,
+                              chunked=(chunk, positions)), None  # fmt: skip
+            positions = tag.positions(int(key.shape[2]), width)
+            if _beyond_first_chunk(positions, valid, chunk):
+                return _chunked(impl, backend_cls, query, key, value, valid, positions, chunk), None
         if cache is not None:
             return _paged(impl, backend_cls, cache, module, query, key, value, valid), None
         return _contiguous(impl, backend_cls, query, key, value, valid), None
@@ -333,6 +359,12 @@ def _unsupported(backend_cls: Any, feature: str) -> UnsupportedFeatureError:
     return error
 
 
+def _unsupported_call(feature: str) -> UnsupportedFeatureError:
+    error = UnsupportedFeatureError("attn_di", feature)
+    error.hint = "use another attn_implementation for this model"
+    return error
+
+
 def _padding_mask(attention_mask: object, key: torch.Tensor) -> torch.Tensor | None:
     """The ``[B, k]`` bool mask of real tokens, None when every token is real.
 
@@ -401,17 +433,79 @@ def _paged(
     key: torch.Tensor,
     value: torch.Tensor,
     valid: torch.Tensor | None,
+    chunked: tuple[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """One :class:`PagedCache` step; ``chunked``: ``(C, [B, q] positions of the query
+    columns)`` for a chunked layer."""
     batch, q_len = int(query.shape[0]), int(query.shape[2])
     valid_q = None if valid is None else valid[:, -q_len:]
     step = cache.step_batch(valid_q, batch, q_len)
     metadata = step.metadata_for(backend_cls, cache.block_size)
+    if chunked is not None:
+        metadata = _paged_chunks(step, backend_cls, cache, valid_q, *chunked) or metadata
     layer_idx = int(getattr(module, "layer_idx", 0))
     kv_cache = cache.kv_cache(layer_idx, backend_cls, key.dtype, key.device)
     index = None
     if step.batch_index is not None and step.column_index is not None:
         index = (step.batch_index, step.column_index)
     return _forward_rows(impl, query, key, value, kv_cache, metadata, index)
+
+
+def _paged_chunks(
+    step: StepBatch,
+    backend_cls: Any,
+    cache: PagedCache,
+    valid_q: torch.Tensor | None,
+    chunk: int,
+    positions: torch.Tensor,
+) -> AttentionMetadata | None:
+    """The step's metadata for a chunked layer: one sequence per (row, chunk) of its queries,
+    reading the row's blocks from the chunk's first (None: every token is in the first chunk,
+    the ordinary metadata is right).
+
+    Raises:
+        UnsupportedFeatureError: padding inside a sequence (positions that are not the
+            cache's), or a chunk that is not a whole number of blocks.
+    """
+    memo_key = f"chunked:{chunk}:{backend_cls.get_builder_cls().__qualname__}"
+    memo = cache.step_memo.get(memo_key)
+    if memo is not None and memo[0] is step:
+        return memo[1]  # type: ignore[no-any-return]
+    rows: list[list[int]] = []
+    for row in range(step.batch_size):
+        mine = positions[row] if valid_q is None else positions[row][valid_q[row].cpu()]
+        first = step.seq_lens[row] - step.query_lens[row]
+        if mine.tolist() != list(range(first, step.seq_lens[row])):
+            error = _unsupported_call(
+                "chunked attention over a PagedCache with padding inside a sequence"
+            )
+            error.hint = "pad only on the left (tokenizer padding_side='left')"
+            raise error
+        rows.append(mine.tolist())
+    metadata: AttentionMetadata | None = None
+    if max(step.seq_lens, default=0) > chunk:
+        block_size = cache.block_size
+        if chunk % block_size:  # PagedCache refuses such a block_size when it is made
+            raise _unsupported_call(
+                f"chunked attention (attention_chunk_size={chunk}) over a PagedCache of "
+                f"block_size={block_size}, which does not divide it"
+            )
+        query_lens, seq_lens, tables = [], [], []
+        for row, row_positions in enumerate(rows):
+            table = step.block_table[row].tolist()
+            for index in sorted({p // chunk for p in row_positions}):
+                in_chunk = [p for p in row_positions if p // chunk == index]
+                query_lens.append(len(in_chunk))
+                seq_lens.append(in_chunk[-1] + 1 - index * chunk)
+                tables.append(table[index * chunk // block_size :])
+        width = max(len(table) for table in tables)
+        block_table = torch.tensor(
+            [t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32
+        )
+        builder = backend_cls.get_builder_cls()(block_size)
+        metadata = builder.build(query_lens, seq_lens, block_table)
+    cache.step_memo[memo_key] = (step, metadata)
+    return metadata
 
 
 def _contiguous(
@@ -457,6 +551,75 @@ def _contiguous(
     metadata: AttentionMetadata = backend_cls.get_builder_cls()(k_len).build(
         q_lens, kv_lens, block_table
     )
+    new_keys = key[:, :, k_len - q_len :]
+    new_values = value[:, :, k_len - q_len :]
+    return _forward_rows(impl, query, new_keys, new_values, scratch, metadata, index)
+
+
+def _beyond_first_chunk(positions: torch.Tensor, valid: torch.Tensor | None, chunk: int) -> bool:
+    """Whether a real key lies past the first chunk (else chunked attention is causal)."""
+    beyond = positions >= chunk
+    if valid is not None:
+        beyond &= valid[:, -positions.shape[1] :].cpu()
+    return bool(beyond.any())
+
+
+def _chunked(
+    impl: AttentionImpl,
+    backend_cls: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor | None,
+    positions: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
+    """Chunked causal attention over keys transformers keeps itself: causal attention of each
+    (row, chunk) of the query tokens over that chunk's real keys.
+
+    Args:
+        positions: ``[B, k]`` int64 position of each key column from its row's first real
+            token (transformers' chunk boundaries are multiples of ``chunk`` in it).
+        chunk: C, ``attention_chunk_size``.
+
+    Each (row, chunk) becomes one sequence of a scratch cache of one block per sequence
+    (``[2, G, width, H_kv, D]``); its query tokens are the last of its keys, as the query
+    columns are the last key columns.
+    """
+    batch, q_len, size = int(query.shape[0]), int(query.shape[2]), int(query.shape[3])
+    kv_heads, k_len = int(key.shape[1]), int(key.shape[2])
+    real = (
+        torch.ones((batch, k_len), dtype=torch.bool) if valid is None else valid[:, -k_len:].cpu()
+    )
+    chunk_of = positions.div(chunk, rounding_mode="floor")
+    groups: list[tuple[int, torch.Tensor]] = []
+    query_lens: list[int] = []
+    for row in range(batch):
+        real_q = real[row, k_len - q_len :]
+        query_chunks = chunk_of[row, k_len - q_len :]
+        for index in torch.unique(query_chunks[real_q]).tolist():
+            columns = (real[row] & (chunk_of[row] == index)).nonzero().flatten()
+            groups.append((row, columns.to(key.device)))
+            query_lens.append(int((real_q & (query_chunks == index)).sum()))
+    kv_lens = [len(columns) for _, columns in groups]
+    width = max(kv_lens)
+    expected = (2, len(groups), width, kv_heads, size)
+    shape = tuple(backend_cls.get_kv_cache_shape(len(groups), width, kv_heads, size))
+    if shape != expected:
+        error = _unsupported(backend_cls, f"transformers' own caches (its KV layout is {shape})")
+        error.hint = "use attn_di.integrations.transformers.PagedCache with this backend"
+        raise error
+    scratch = torch.empty(expected, dtype=key.dtype, device=key.device)
+    for group, (row, columns) in enumerate(groups):
+        scratch[0, group, : len(columns)].copy_(key[row][:, columns].transpose(0, 1))
+        scratch[1, group, : len(columns)].copy_(value[row][:, columns].transpose(0, 1))
+    block_table = torch.arange(len(groups), dtype=torch.int32)[:, None]
+    metadata: AttentionMetadata = backend_cls.get_builder_cls()(width).build(
+        query_lens, kv_lens, block_table
+    )
+    index = None
+    if valid is not None:
+        index = real[:, k_len - q_len :].to(query.device).nonzero(as_tuple=True)
     new_keys = key[:, :, k_len - q_len :]
     new_values = value[:, :, k_len - q_len :]
     return _forward_rows(impl, query, new_keys, new_values, scratch, metadata, index)

@@ -207,7 +207,8 @@ class PagedCache(Cache):
 
     Raises:
         InvalidInputError: a ``block_size`` or ``num_blocks`` that is not a positive int (or a
-            ``block_size`` over :data:`MAX_BLOCK_SIZE`), a config without
+            ``block_size`` over :data:`MAX_BLOCK_SIZE`, or one that does not divide the
+            ``attention_chunk_size`` of a model with chunked layers), a config without
             ``num_hidden_layers`` / ``num_attention_heads``, an unknown or non-float
             ``dtype``, a ``device`` torch cannot parse or allocate on, a non-numeric
             ``fill_value``.
@@ -234,6 +235,16 @@ class PagedCache(Cache):
                 f"{self.block_size} tokens per block is more than {MAX_BLOCK_SIZE}: every "
                 "sequence takes at least one block in every layer",
                 hint="use a small block_size such as 16 (vLLM's default); the pool grows in blocks",
+            )
+        chunk = layout.chunk_size
+        if chunk is not None and chunk % self.block_size:
+            divisor = max(d for d in range(1, self.block_size + 1) if chunk % d == 0)
+            raise InvalidInputError(
+                "block_size",
+                f"{self.block_size} does not divide the model's attention_chunk_size {chunk}: "
+                "a chunked layer reads each chunk from the start of a block",
+                hint=f"use a block_size that divides {chunk}, e.g. "
+                f"PagedCache(config, block_size={divisor})",
             )
         self._fixed_blocks = (
             None
@@ -758,6 +769,7 @@ class _Layout:
     num_kv_heads: int
     head_size: int
     sliding: tuple[bool, ...]  # per decoder layer: sliding-window (or chunked) attention
+    chunk_size: int | None = None  # attention_chunk_size, when a layer is chunked
 
     @classmethod
     def of(cls, config: object) -> _Layout:
@@ -776,12 +788,19 @@ class _Layout:
                 f"{type(config).__name__} has no num_hidden_layers/num_attention_heads",
                 hint="pass the decoder model's config, e.g. PagedCache(model.config)",
             )
-        kinds = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
+        kinds = getattr(text_config, "layer_types", None)
+        chunk = getattr(text_config, "attention_chunk_size", None)
+        if not kinds:  # transformers: every layer slides, else every layer is chunked, else full
+            every = "full_attention"
+            if getattr(text_config, "sliding_window", None) is None and chunk is not None:
+                every = "chunked_attention"
+            kinds = [every] * num_layers
         return cls(
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
             head_size=getattr(text_config, "head_dim", None)
             or text_config.hidden_size // num_heads,
             sliding=tuple(kind in ("sliding_attention", "chunked_attention") for kind in kinds),
+            chunk_size=chunk if isinstance(chunk, int) and "chunked_attention" in kinds else None,
         )
 
     def describe(self) -> str:

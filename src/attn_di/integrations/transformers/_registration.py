@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,6 +12,12 @@ from transformers.masking_utils import AttentionMaskInterface
 from attn_di._enum import AttentionBackendEnum, parse_backend_name
 from attn_di.exceptions import UnsupportedFeatureError
 from attn_di.integrations.transformers._attention import AttentionFunction
+from attn_di.integrations.transformers._masks import (
+    MaskTag,
+    left_padding,
+    mask_patterns,
+    tag_mask,
+)
 from attn_di.integrations.transformers._paged_cache import transformers_name
 
 __all__ = [
@@ -78,45 +85,78 @@ def padding_mask(
     kv_length: int,
     q_offset: int = 0,
     kv_offset: int = 0,
+    mask_function: Callable[..., Any] | None = None,
     attention_mask: torch.Tensor | None = None,
     use_vmap: bool = False,
     **kwargs: Any,
-) -> torch.Tensor | None:
-    """attn_di's mask function: the ``[B, kv_length]`` bool padding mask, or None.
+) -> torch.Tensor:
+    """attn_di's mask function: the ``[B, kv_length]`` bool padding mask.
 
     transformers calls it (through ``AttentionMaskInterface``) once per forward and mask
-    kind; the causal, sliding-window and bidirectional patterns are the impls' own business
-    (from the layer's settings), so only padding is passed on.
+    kind. The causal, sliding-window, chunked and bidirectional patterns are the impls'
+    business (from each layer's settings), so only padding is passed on; but first the
+    pattern transformers asks for (``mask_function``) is checked to be one of those over the
+    real tokens, and what was found is kept on the returned tensor for the attention function
+    to check against each layer (see ``attn_di.integrations.transformers._masks``).
 
     Args:
-        batch_size, q_length, q_offset: unused (the attention function reads the shapes).
+        batch_size: B.
+        q_length, q_offset: the query columns, from ``q_offset``.
         kv_length: keys the layer will see.
         kv_offset: the first key's column in the 2-D mask (transformers' sliding caches).
+        mask_function: transformers' index-based pattern ``(b, h, q, kv) -> bool``.
         attention_mask: ``[B, columns]`` 1 for tokens, 0 for padding, or None.
         use_vmap: True when the model adds its own mask functions (refused).
+        kwargs: ``local_size`` (the window or chunk) and ``config`` are read; the rest is
+            ignored.
 
     Returns:
-        ``attention_mask[:, kv_offset:kv_offset + kv_length]`` as bool (False past its end),
-        or None without a mask.
+        ``attention_mask[:, kv_offset:kv_offset + kv_length]`` as bool (False past its end;
+        all True without a mask).
 
     Raises:
         UnsupportedFeatureError: the model combines extra mask functions
-            (``or_mask_function``/``and_mask_function``, e.g. bidirectional image blocks).
+            (``or_mask_function``/``and_mask_function``, e.g. bidirectional image blocks), or
+            the pattern is none of causal, sliding window, chunked and bidirectional (packed
+            sequences, ``block_sequence_ids``).
     """
     if use_vmap:
         error = UnsupportedFeatureError("attn_di", "custom mask functions of the model")
         error.hint = (
-            "attn_di's transformers integration handles causal, sliding-window, "
+            "attn_di's transformers integration handles causal, sliding-window, chunked, "
             "bidirectional and padding masks; use another attn_implementation for this model"
         )
         raise error
-    if attention_mask is None:
-        return None
-    mask = attention_mask.to(torch.bool)
+    config = kwargs.get("config")
+    sizes = tuple(
+        size
+        for size in (
+            kwargs.get("local_size"),
+            getattr(config, "sliding_window", None),
+            getattr(config, "attention_chunk_size", None),
+        )
+        if isinstance(size, int) and not isinstance(size, bool)
+    )
+    patterns = mask_patterns(
+        mask_function,
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=int(q_offset),
+        kv_offset=int(kv_offset),
+        attention_mask=attention_mask,
+        sizes=sizes,
+    )
     end = kv_offset + kv_length
-    if mask.shape[-1] < end:
-        mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]), value=False)
-    return mask[:, kv_offset:end]
+    if attention_mask is None:
+        mask = torch.ones((batch_size, kv_length), dtype=torch.bool, device=kwargs.get("device"))
+    else:
+        mask = attention_mask.to(torch.bool)
+        if mask.shape[-1] < end:
+            mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]), value=False)
+        mask = mask[:, kv_offset:end]
+    tag = MaskTag(patterns, int(kv_offset), left_padding(attention_mask, batch_size))
+    return tag_mask(mask, tag)
 
 
 def attention_settings(model: torch.nn.Module, *, block_size: int | None = None) -> dict[str, Any]:
