@@ -385,13 +385,14 @@ class _Shown:
 def _encode(value: Any) -> Any:
     """``value`` as JSON holds it (a tuple as ``{_TUPLE_KEY: [...]}``); anything else as its
     repr (``{_REPR_KEY: repr}``)."""
-    if value is None or isinstance(value, (str, bool, int, float)):
+    kind = type(value)  # exact types: a NamedTuple (vLLM's selector config) is shown as such
+    if value is None or kind in (str, bool, int, float):
         return value
-    if isinstance(value, list):
+    if kind is list:
         return [_encode(item) for item in value]
-    if isinstance(value, tuple):
+    if kind is tuple:
         return {_TUPLE_KEY: [_encode(item) for item in value]}
-    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+    if kind is dict and all(type(key) is str for key in value):
         return {key: _encode(item) for key, item in value.items()}
     return {_REPR_KEY: repr(value)}
 
