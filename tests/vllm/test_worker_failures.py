@@ -24,8 +24,12 @@ import torch
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 import attn_di
-from attn_di.exceptions import BackendImportError, BackendRejectedError, UnsupportedFeatureError
-from attn_di.integrations.vllm._failures import attn_di_error_in
+from attn_di.exceptions import (
+    AttnDIError,
+    BackendImportError,
+    BackendRejectedError,
+    UnsupportedFeatureError,
+)
 from tests.vllm.conftest import engine
 from tests.vllm.test_encoder_only import write_tiny_bert
 from tests.vllm.worker_backends import MISSING_IN_ENV, MISSING_MODULE
@@ -164,7 +168,7 @@ def test_a_backend_that_does_not_import_in_one_tp_worker(
         "while importing: see the chained exception"
     )
     assert error.__cause__ is not None
-    assert attn_di_error_in(error.__cause__) is None  # vLLM's own error, not attn_di's
+    assert not isinstance(error.__cause__, AttnDIError)  # vLLM's own error
     notes = "\n".join(error.__notes__)
     assert "raised in vLLM's process Worker_TP1 (pid " in notes
     assert f"raised there from ModuleNotFoundError: No module named {MISSING_MODULE!r}" in notes
