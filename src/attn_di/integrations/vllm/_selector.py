@@ -346,13 +346,14 @@ def _fix(reason: str, backend: Any) -> str:
         names = [repr(dtype_name(dtype)) for dtype in backend.supported_dtypes]
         listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
         return f"use dtype={listed} (what {backend.get_name()} declares)"
-    attn_type = reason.removeprefix("attention type ").removesuffix(" not supported")
-    if attn_type != reason and attn_type in ("decoder", "encoder_only"):
-        return (
-            f"register a backend that runs {attn_type} attention (attn_di's CPU_ATTN or "
-            "TORCH_SDPA: attn_di.integrations.vllm.backends.CPU_ATTN)"
-        )
-    if attn_type != reason:
+    prefix, suffix = "attention type ", " not supported"
+    if reason.startswith(prefix) and reason.endswith(suffix):
+        attn_type = reason[len(prefix) : -len(suffix)]
+        if attn_type in ("decoder", "encoder_only"):
+            return (
+                f"register a backend that runs {attn_type} attention (attn_di's CPU_ATTN or "
+                "TORCH_SDPA: attn_di.integrations.vllm.backends.CPU_ATTN)"
+            )
         return f"attn_di's vLLM backends run decoder and encoder-only attention, not {attn_type}"
     return _FIXES.get(reason, "")
 
