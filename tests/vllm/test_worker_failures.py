@@ -21,7 +21,9 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .venv-vllm)")
 
 import torch
+from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.attention.selector import AttentionSelectorConfig
 
 import attn_di
 from attn_di.exceptions import (
@@ -30,7 +32,9 @@ from attn_di.exceptions import (
     BackendRejectedError,
     UnsupportedFeatureError,
 )
-from tests.vllm.conftest import engine
+from attn_di.integrations.vllm._selector import check_backend
+from attn_di.integrations.vllm.backends import CPU_ATTN
+from tests.vllm.conftest import CPU_ATTN_PATH, engine
 from tests.vllm.test_encoder_only import write_tiny_bert
 from tests.vllm.worker_backends import MISSING_IN_ENV, MISSING_MODULE
 
@@ -172,3 +176,59 @@ def test_a_backend_that_does_not_import_in_one_tp_worker(
     notes = "\n".join(error.__notes__)
     assert "raised in vLLM's process Worker_TP1 (pid " in notes
     assert f"raised there from ModuleNotFoundError: No module named {MISSING_MODULE!r}" in notes
+
+
+class _ModelConfig:
+    """What the start-up check reads of vLLM's ``ModelConfig``: its ``attn_type``."""
+
+    def __init__(self, attn_type: str | None) -> None:
+        self._attn_type = attn_type
+
+    @property
+    def attn_type(self) -> str:
+        if self._attn_type is None:
+            raise AttributeError("attn_type")  # an older vLLM: no such property
+        return self._attn_type
+
+
+@pytest.mark.parametrize(
+    ("model_type", "asked"),
+    [
+        ("decoder", ("decoder",)),
+        ("encoder_only", ("encoder_only",)),
+        ("encoder_decoder", ("decoder", "encoder_decoder")),
+        ("hybrid", ("decoder",)),
+        ("attention_free", ()),
+        (None, ("decoder",)),
+    ],
+)
+def test_the_start_up_check_asks_for_each_attention_type_of_the_model(
+    model_type: str | None, asked: tuple[str, ...]
+) -> None:
+    """One question per attention type the model's layers ask vLLM's selector for (decoder
+    and cross attention for an encoder-decoder model); decoder where vLLM does not say."""
+    from attn_di.integrations.vllm._selector import layer_attn_types
+
+    assert layer_attn_types(_ModelConfig(model_type)) == asked
+
+
+def test_an_attention_type_no_attn_di_backend_runs_is_refused_naming_the_fallback() -> None:
+    """Cross attention: the hint says attn_di's vLLM backends do not run it, and how to let
+    vLLM's own backend run the model."""
+    with set_current_vllm_config(VllmConfig()):
+        config = AttentionSelectorConfig(
+            head_size=64,
+            dtype=torch.float32,
+            kv_cache_dtype="auto",
+            block_size=None,
+            attn_type="encoder_decoder",
+        )
+        register_backend(AttentionBackendEnum.CPU_ATTN, CPU_ATTN_PATH)
+        with pytest.raises(BackendRejectedError) as caught:
+            check_backend(AttentionBackendEnum.CPU_ATTN, CPU_ATTN, config, "the check")
+    assert caught.value.reasons == ["attention type encoder_decoder not supported"]
+    assert caught.value.hint == (
+        "attn_di's vLLM backends run decoder and encoder-only attention, not encoder_decoder; "
+        "or let vLLM use its own backend: AttentionBackendEnum.CPU_ATTN.clear_override() "
+        "(and unset ATTN_DI_REGISTRATIONS for new processes)"
+    )
