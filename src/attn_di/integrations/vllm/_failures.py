@@ -268,6 +268,8 @@ def install() -> Callable[[], None]:
     """
     factory = _RecordingFactory(logging.getLogRecordFactory())
     logging.setLogRecordFactory(factory)
+    if "vllm.v1.engine.core_client" in sys.modules:  # an engine may start without EngineArgs
+        patch_engine_client()
 
     def undo() -> None:
         factory.active = False
@@ -285,8 +287,9 @@ def patch_engine_client() -> None:
     """Wrap vLLM's ``EngineCoreClient.make_client`` and ``make_async_mp_client`` in
     :func:`collecting` (idempotent; undone by :func:`install`'s undo).
 
-    Called where an engine is about to start in this process (the engine's start-up check):
-    vLLM's processes that never start one never import vLLM's client module for it.
+    Called by :func:`install` where vLLM's client module is imported already, and where an
+    engine is about to start in this process (the engine's start-up check): vLLM's processes
+    that never start one are not made to import that module.
     """
     if _patched:
         return
