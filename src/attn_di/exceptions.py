@@ -254,17 +254,22 @@ class BackendImportError(AttnDIError, ImportError):
         reason: one of ``"module not found"``, ``"attribute not found"``,
             ``"module failed to import"``; the original exception is chained as ``__cause__``.
         detail: the original error's text.
-        suggestion: for a missing attribute, the closest name the module has, else None.
+        suggestion: for a missing attribute, the closest name the module has; for a class
+            that is no attention backend, the closest backend class of its module; else None.
         missing_module: the module that was not found (the path's own, or one it imports),
             when known; the hint then names what installs it (an attn_di extra, vLLM's set-up).
 
-    ``reason`` ``"not a class"``: the path imports, but to a function or another object.
+    ``reason`` ``"not a class"``: the path imports, but to a function or another object;
+    ``"not an attention backend"``: it imports to a class that an engine cannot run as an
+    attention backend (``collections.OrderedDict`` registered for a vLLM member; refused by
+    the vLLM integration, which names the classes it accepts in the hint).
     """
 
     MODULE_NOT_FOUND = "module not found"
     ATTRIBUTE_NOT_FOUND = "attribute not found"
     MODULE_FAILED = "module failed to import"
     NOT_A_CLASS = "not a class"
+    NOT_A_BACKEND = "not an attention backend"
 
     def __init__(
         self,
@@ -296,12 +301,16 @@ class BackendImportError(AttnDIError, ImportError):
             self.hint = "the module exists but raised while importing: see the chained exception"
         elif reason == self.NOT_A_CLASS:
             self.hint = f"register the backend class itself for {member}, e.g. pkg.mod.MyBackend"
+        elif reason == self.NOT_A_BACKEND and suggestion:
+            self.hint = f"did you mean {suggestion!r}?"
+        elif reason == self.NOT_A_BACKEND:
+            self.hint = f"register an attention backend class for {member} (check the class path)"
         else:
             self.hint = f"check the class name, or register another class for {member}"
 
     def fixed_path(self) -> str | None:
-        """``class_path`` with the missing attribute replaced by :attr:`suggestion`, or None."""
-        if self.reason != self.ATTRIBUTE_NOT_FOUND or not self.suggestion:
+        """``class_path`` with its last name replaced by :attr:`suggestion`, or None."""
+        if self.reason not in (self.ATTRIBUTE_NOT_FOUND, self.NOT_A_BACKEND) or not self.suggestion:
             return None
         cut = max(self.class_path.rfind("."), self.class_path.rfind(":"))
         return self.class_path[: cut + 1] + self.suggestion

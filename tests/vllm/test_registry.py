@@ -7,6 +7,7 @@ copied); the second checks what the bridge adds.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -375,6 +376,9 @@ def test_uninstall_leaves_vllm_exactly_as_before() -> None:
         register_backend(AttentionBackendEnum.FLASH_ATTN, f"{HERE}.DecoratedBackend")
         register_backend("WHILE_INSTALLED", f"{HERE}.CustomAttentionBackend")
         AttentionBackendEnum.register("ALSO_WHILE_INSTALLED", f"{HERE}.CustomMambaBackend")
+        from attn_di.integrations.vllm._failures import patch_engine_client
+
+        patch_engine_client()  # what the start-up check does where an engine starts
         bridge.uninstall()
         assert _vllm_state() == before
         assert {
@@ -399,6 +403,10 @@ def _vllm_state() -> tuple[Any, ...]:
     from vllm.engine.arg_utils import EngineArgs
 
     state += [selector._cached_get_attn_backend, vars(EngineArgs)["create_engine_config"]]
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    state += [vars(EngineCoreClient)["make_client"], vars(EngineCoreClient)["make_async_mp_client"]]
+    state.append(logging.getLogRecordFactory())  # the failure recorder (_failures) comes off
     state.append(dict(vars(type(AttentionBackendEnum))))  # the metaclass: iteration comes back
     for enum_cls in (AttentionBackendEnum, MambaAttentionBackendEnum):
         state += [

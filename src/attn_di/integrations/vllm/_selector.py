@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -120,6 +121,9 @@ def install() -> Callable[[], None]:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         config = original_create(self, *args, **kwargs)
         check_engine_config(config)
+        from attn_di.integrations.vllm._failures import patch_engine_client
+
+        patch_engine_client()  # an engine starts here: its processes' errors come back
         return config
 
     create_engine_config.__doc__ = original_create.__doc__
@@ -160,7 +164,8 @@ def resolve_backend(path: str, lookups: list[tuple[Side, Enum, str]]) -> tuple[E
     Otherwise vLLM's own import of the path.
 
     Raises:
-        BackendImportError: attn_di's registered path does not import (names the member).
+        BackendImportError: attn_di's registered path does not import, or names a class that
+            is no attention backend (names the member).
     """
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
@@ -170,9 +175,69 @@ def resolve_backend(path: str, lookups: list[tuple[Side, Enum, str]]) -> tuple[E
                 return member, resolve_obj_by_qualname(path)
             counterpart = side.counterpart(member)
             resolved = _as_vllm_backend(member.name, side.container().backend(counterpart))
+            check_is_backend(member.name, resolved, _class_path(side, counterpart, resolved))
             _announce(member, resolved, side.container().source(counterpart))
             return member, resolved
     return None, resolve_obj_by_qualname(path)
+
+
+def check_is_backend(name: str, resolved: Any, class_path: str) -> None:
+    """Refuse a class that vLLM cannot run as an attention backend (``collections.OrderedDict``
+    registered for ``CPU_ATTN``), as a path naming a function is refused as "not a class".
+
+    ``resolved`` is what attn_di resolved vLLM's member ``name`` to, attn_di-interface classes
+    already wrapped (:func:`_as_vllm_backend`): a vLLM backend class passes; so does an object
+    that is not a class (a test's mock, given as it is).
+
+    Raises:
+        BackendImportError: reason ``"not an attention backend"``, naming the member, the path,
+            the closest backend class of the path's module (if any) and the fix.
+    """
+    from vllm.v1.attention.backend import AttentionBackend as VllmAttentionBackend
+
+    if not isinstance(resolved, type) or issubclass(resolved, VllmAttentionBackend):
+        return
+    from attn_di.backend import AttentionBackend
+    from attn_di.exceptions import BackendImportError, closest_name
+
+    module_name, _, class_name = class_path.replace(":", ".").rpartition(".")
+    module = sys.modules.get(module_name)
+    backends = [
+        attr
+        for attr, value in sorted(vars(module).items() if module is not None else ())
+        if not attr.startswith("_")
+        and isinstance(value, type)
+        and issubclass(value, (VllmAttentionBackend, AttentionBackend))
+    ]
+    suggestion = closest_name(class_name, backends)
+    error = BackendImportError(
+        name,
+        class_path,
+        BackendImportError.NOT_A_BACKEND,
+        f"it names class {resolved.__module__}.{resolved.__qualname__}, which is neither a vLLM "
+        "attention backend (vllm.v1.attention.backend.AttentionBackend) nor an attn_di one "
+        "(attn_di.backend.AttentionBackend)",
+        suggestion=suggestion,
+    )
+    if suggestion is not None:
+        error.hint = f"did you mean {suggestion!r}? ({error.fixed_path()})"
+    else:
+        error.hint = (
+            f"register an attention backend class for {name}: a vLLM backend such as "
+            "attn_di.integrations.vllm.backends.CPU_ATTN, or a class written to "
+            f"attn_di.backend.AttentionBackend; or let vLLM use its own backend: "
+            f"AttentionBackendEnum.{name}.clear_override()"
+        )
+    raise error
+
+
+def _class_path(side: Side, counterpart: Any, resolved: Any) -> str:
+    """The path attn_di resolved ``counterpart`` from (the registration's, or the override's
+    class as ``module.qualname``)."""
+    try:
+        return str(side.container().get_path(counterpart))
+    except AttnDIError:  # an override given as an object without a path
+        return f"{getattr(resolved, '__module__', '?')}.{getattr(resolved, '__qualname__', '?')}"
 
 
 _announced: set[tuple[str, int, str]] = set()
@@ -281,6 +346,15 @@ def _fix(reason: str, backend: Any) -> str:
         names = [repr(dtype_name(dtype)) for dtype in backend.supported_dtypes]
         listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
         return f"use dtype={listed} (what {backend.get_name()} declares)"
+    prefix, suffix = "attention type ", " not supported"
+    if reason.startswith(prefix) and reason.endswith(suffix):
+        attn_type = reason[len(prefix) : -len(suffix)]
+        if attn_type in ("decoder", "encoder_only"):
+            return (
+                f"register a backend that runs {attn_type} attention (attn_di's CPU_ATTN or "
+                "TORCH_SDPA: attn_di.integrations.vllm.backends.CPU_ATTN)"
+            )
+        return f"attn_di's vLLM backends run decoder and encoder-only attention, not {attn_type}"
     return _FIXES.get(reason, "")
 
 
@@ -288,20 +362,27 @@ def check_engine_config(vllm_config: Any) -> None:
     """Resolve and check, before any worker starts, the backend vLLM will ask for.
 
     Only where attn_di holds a registration or an override for it (vLLM's own backends are
-    left to vLLM). Uses the model's head size, dtype, KV-cache dtype and block size; the
-    per-layer features (sinks, windows) are checked again when the layers are built.
+    left to vLLM). Asked for every attention type the model's layers ask for (decoder;
+    encoder-only for a pooling model such as BERT; decoder and cross attention for an
+    encoder-decoder model), with the model's head size, dtype, KV-cache dtype and block size;
+    the per-layer features (sinks, windows) are checked again when the layers are built.
 
     Raises:
-        BackendImportError: the registered path does not import.
+        BackendImportError: the registered path does not import, or names a class that is no
+            attention backend.
         BackendRejectedError: an attn_di backend refuses the model's configuration.
     """
     try:
-        config, backend = _selector_config(vllm_config)
+        configs, backend = _selector_configs(vllm_config)
     except Exception:  # vLLM's configuration object changed shape: leave it to the workers
         _logger.debug("attn_di: no start-up check of the attention backend", exc_info=True)
         return
-    if config is None:
-        return
+    for config in configs:
+        _check_one(vllm_config, config, backend)
+
+
+def _check_one(vllm_config: Any, config: Any, backend: Any) -> None:
+    """The start-up check for one of the model's attention types (its selector config)."""
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
 
@@ -321,17 +402,46 @@ def check_engine_config(vllm_config: Any) -> None:
         check_backend(member, backend_cls, config, "the engine's start-up check")
 
 
-def _selector_config(vllm_config: Any) -> tuple[Any, Any]:
-    """vLLM's selector configuration for the model's (non-MLA, decoder) attention layers."""
+# The attention types of a model's layers, by vLLM's ModelConfig.attn_type: what the workers
+# will ask the selector for (encoder-decoder models: the decoder's self-attention and its
+# cross-attention; "hybrid" models: their attention layers are decoder layers).
+_LAYER_ATTN_TYPES: dict[str, tuple[str, ...]] = {
+    "decoder": ("decoder",),
+    "hybrid": ("decoder",),
+    "encoder_only": ("encoder_only",),
+    "encoder": ("encoder",),
+    "encoder_decoder": ("decoder", "encoder_decoder"),
+    "attention_free": (),
+}
+
+
+def layer_attn_types(model_config: Any) -> tuple[str, ...]:
+    """The attention types (vLLM's ``AttentionType`` values) that ``model_config``'s layers
+    ask vLLM's selector for; decoder attention where vLLM does not say."""
+    try:
+        model_type = str(model_config.attn_type)
+    except Exception:  # an older or newer ModelConfig: the decoder question, as before
+        _logger.debug("attn_di: no attention type for the model", exc_info=True)
+        return ("decoder",)
+    return _LAYER_ATTN_TYPES.get(model_type, ("decoder",))
+
+
+def _selector_configs(vllm_config: Any) -> tuple[list[Any], Any]:
+    """vLLM's selector configurations for the model's (non-MLA) attention layers, one per
+    attention type, and the backend vLLM's configuration asks for."""
     model_config = vllm_config.model_config
     if model_config is None or getattr(model_config, "use_mla", False):
-        return None, None
+        return [], None
     cache_config = vllm_config.cache_config
     block_size = cache_config.block_size if cache_config.user_specified_block_size else None
-    config = selector.AttentionSelectorConfig(
-        head_size=model_config.get_head_size(),
-        dtype=model_config.dtype,
-        kv_cache_dtype=cache_config.cache_dtype,
-        block_size=block_size,
-    )
-    return config, vllm_config.attention_config.backend
+    configs = [
+        selector.AttentionSelectorConfig(
+            head_size=model_config.get_head_size(),
+            dtype=model_config.dtype,
+            kv_cache_dtype=cache_config.cache_dtype,
+            block_size=block_size,
+            attn_type=attn_type,
+        )
+        for attn_type in layer_attn_types(model_config)
+    ]
+    return configs, vllm_config.attention_config.backend
