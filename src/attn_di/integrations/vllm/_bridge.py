@@ -8,7 +8,8 @@
   (with live views of attn_di's registrations, so code holding vLLM's own
   ``register_backend`` registers in attn_di too);
 - the selector's caches (:mod:`attn_di.integrations.vllm._selector`) and the engine's start-up
-  check.
+  checks (there, and :mod:`attn_di.integrations.vllm._workers`: what other processes of the
+  engine will run), and adds ``ATTN_DI_`` to vLLM's Ray prefixes.
 
 On attn_di's side it uses only public hooks: :func:`attn_di.register_enum_alias` (vLLM's
 members accepted as attn_di members, vLLM-only names becoming runtime members when first
@@ -333,9 +334,10 @@ def install() -> None:
             registry.register_backend = register_backend
             state.undo.append(attn_di.on_member_added(_mirror_added))
             state.undo.append(attn_di.on_member_removed(_mirror_removed))
-            from attn_di.integrations.vllm import _selector
+            from attn_di.integrations.vllm import _selector, _workers
 
             state.undo.append(_selector.install())
+            state.undo.append(_workers.install())
             for side in state.sides:
                 for member in side.attn_di_enum:
                     _mirror_added(member)
