@@ -134,9 +134,7 @@ def test_a_test_double_is_refused() -> None:
     """A mock is no class another process can import."""
     double = mock.Mock()
     error = _refused(lambda: get_container().override({CUSTOM: double}, propagate=True))
-    assert "is a Mock object (a test double?), not a class another process can import" in str(
-        error
-    )
+    assert "is a Mock object (a test double?), not a class another process can import" in str(error)
 
 
 def test_it_is_refused_where_the_variable_would_not_be_written() -> None:
@@ -159,11 +157,11 @@ def test_local_and_container_overrides_refuse_propagate() -> None:
     container = get_container()
     with pytest.raises(InvalidBackendTypeError, match="local override"):
         container.override(CUSTOM, "a.B", local=True, propagate=True)
+
+    class Other(containers.DeclarativeContainer):
+        CUSTOM = providers.Object(object)
+
     with pytest.raises(InvalidBackendTypeError, match="dependency-injector container"):
-
-        class Other(containers.DeclarativeContainer):
-            CUSTOM = providers.Object(object)
-
         container.override(Other, propagate=True)
     with pytest.raises(InvalidBackendTypeError, match="True or False"):
         container.override(CUSTOM, "a.B", propagate="yes")  # type: ignore[arg-type]

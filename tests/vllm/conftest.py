@@ -284,4 +284,3 @@ def worker_impls(worker: Any) -> tuple[int, list[str]]:
     layers = config.compilation_config.static_forward_context.values()
     impls = {f"{type(layer.impl).__module__}.{type(layer.impl).__qualname__}" for layer in layers}
     return int(config.parallel_config.data_parallel_rank), sorted(impls)
-

@@ -19,8 +19,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm run in .venv-vllm)")
 
-from vllm import LLM, SamplingParams
+from vllm.entrypoints.llm import LLM
 from vllm.inputs import TokensPrompt
+from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 import attn_di
@@ -43,9 +44,7 @@ def _two_ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _greedy() -> SamplingParams:
-    return SamplingParams(
-        max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False
-    )
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
 
 
 def _generate(llm: Any) -> list[int]:
@@ -106,13 +105,13 @@ def test_data_parallel_engines_run_the_propagated_override(
             lengths = []
             for rank in (0, 1):
                 prompt = TokensPrompt(prompt_token_ids=TOKEN_PROMPTS[rank])
-                final = None
-                async for final in engine.generate(
-                    prompt, _greedy(), request_id=f"rank-{rank}", data_parallel_rank=rank
-                ):
-                    pass
-                assert final is not None
-                lengths.append(len(final.outputs[0].token_ids))
+                outputs = [
+                    output
+                    async for output in engine.generate(
+                        prompt, _greedy(), request_id=f"rank-{rank}", data_parallel_rank=rank
+                    )
+                ]
+                lengths.append(len(outputs[-1].outputs[0].token_ids))
             return per_rank, lengths
         finally:
             engine.shutdown()
