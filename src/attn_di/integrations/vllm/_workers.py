@@ -126,7 +126,7 @@ def processes_elsewhere(vllm_config: Any) -> str | None:
     ranks = sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"]
     if executor in ("mp", "ray") or (ranks > 1 and executor is None):
         named = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
-        how = named or f"distributed_executor_backend={executor!r}"
+        how = named or f"vLLM's {executor} executor (distributed_executor_backend={executor!r})"
         workers = "worker process" if ranks == 1 else f"{ranks} worker processes"
         found.append(f"the {workers} of {how}")
     return " and ".join(found) or None
