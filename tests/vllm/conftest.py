@@ -279,8 +279,10 @@ def tiny_settings(model: Path, **options: Any) -> dict[str, Any]:
 
 def worker_impls(worker: Any) -> tuple[int, list[str]]:
     """``(data-parallel rank, sorted impl classes)`` of one vLLM worker's attention layers;
-    run in every worker through ``collective_rpc`` (pickled by name)."""
+    run in every worker through ``collective_rpc`` (pickled by name). The rank is vLLM's
+    ``data_parallel_index`` (a dense model's DP ranks run as independent DP=1 engines, whose
+    ``data_parallel_rank`` is 0)."""
     config = worker.model_runner.vllm_config
     layers = config.compilation_config.static_forward_context.values()
     impls = {f"{type(layer.impl).__module__}.{type(layer.impl).__qualname__}" for layer in layers}
-    return int(config.parallel_config.data_parallel_rank), sorted(impls)
+    return int(config.parallel_config.data_parallel_index), sorted(impls)
