@@ -17,6 +17,7 @@ import multiprocessing
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -97,19 +98,96 @@ def test_an_override_block_around_the_multiprocess_engine_is_refused(
     assert (worker.source, engine_core.source) == ("override", "override")
 
 
-def test_a_registration_vllm_plugins_leaves_out_is_refused(
-    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("variable", "value", "reason", "hint"),
+    [
+        (
+            "VLLM_PLUGINS",
+            "other_plugin",
+            "VLLM_PLUGINS='other_plugin' does not name attn_di",
+            "add attn_di to the list (VLLM_PLUGINS=attn_di,other_plugin)",
+        ),
+        (
+            "ATTN_DI_VLLM_BRIDGE",
+            "0",
+            "ATTN_DI_VLLM_BRIDGE='0' keeps attn_di's plugin from installing the bridge",
+            "unset ATTN_DI_VLLM_BRIDGE (or set it to 1)",
+        ),
+    ],
+    ids=["vllm_plugins", "bridge_off"],
+)
+def test_a_registration_the_bridge_cannot_carry_is_refused(
+    tiny_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+    value: str,
+    reason: str,
+    hint: str,
 ) -> None:
-    """The bridge installed here, VLLM_PLUGINS naming another plugin only: vLLM's processes
-    never install it, so even a registration (in ATTN_DI_REGISTRATIONS) would not be used."""
+    """The bridge installed here by hand, but vLLM's processes will not install it: even a
+    registration (in ATTN_DI_REGISTRATIONS) would not be used there."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    monkeypatch.setenv("VLLM_PLUGINS", "other_plugin")
+    monkeypatch.setenv(variable, value)
     register_backend(AttentionBackendEnum.CPU_ATTN, CPU_ATTN_PATH)
     assert json.loads(os.environ["ATTN_DI_REGISTRATIONS"]) == {"CPU_ATTN": CPU_ATTN_PATH}
     error = _refused(tiny_llama)
     assert error.source == "registered"
-    assert error.reason.startswith("VLLM_PLUGINS='other_plugin' does not name attn_di")
-    assert "Hint: add attn_di to the list (VLLM_PLUGINS=attn_di,other_plugin)" in str(error)
+    assert error.reason.startswith(reason)
+    assert error.elsewhere == VLLM_OWN
+    assert f"Hint: {hint}" in str(error)
+
+
+def test_an_override_block_around_a_data_parallel_engine_is_refused(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DP=2 through AsyncLLM: refused when the engine configuration is made, before the
+    engine cores start."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    args = AsyncEngineArgs(**tiny_settings(tiny_llama, data_parallel_size=2))
+    with (
+        attn_di.get_container().override(AttentionBackendEnum.CPU_ATTN, CPU_ATTN_PATH),
+        pytest.raises(BackendNotPropagatedError) as caught,
+    ):
+        AsyncLLM.from_engine_args(args)
+    assert caught.value.processes.startswith("the 2 engine core processes of data_parallel_size=2")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "executor", "processes"),
+    [
+        ((1, 1, 1), "uni", None),
+        ((2, 1, 1), "mp", "the 2 worker processes of tensor_parallel_size=2"),
+        (
+            (2, 2, 1),
+            "mp",
+            "the 4 worker processes of tensor_parallel_size=2, pipeline_parallel_size=2",
+        ),
+        (
+            (1, 1, 2),
+            "uni",
+            "the 2 engine core processes of data_parallel_size=2",
+        ),
+        ((2, 1, 1), "external_launcher", None),  # each rank is a process the user started
+        ((2, 1, 1), object, None),  # an executor class of the user's: not judged
+    ],
+)
+def test_the_processes_that_run_attention_are_named(
+    sizes: tuple[int, int, int], executor: object, processes: str | None
+) -> None:
+    """Which processes other than the engine core run attention, from the parallel config."""
+    from attn_di.integrations.vllm._workers import processes_elsewhere
+
+    tensor, pipeline, data = sizes
+    parallel = SimpleNamespace(
+        tensor_parallel_size=tensor,
+        pipeline_parallel_size=pipeline,
+        data_parallel_size=data,
+        distributed_executor_backend=executor,
+    )
+    assert processes_elsewhere(SimpleNamespace(parallel_config=parallel)) == processes
 
 
 @pytest.fixture(name="fresh_envs")

@@ -336,8 +336,10 @@ def install() -> None:
             state.undo.append(attn_di.on_member_removed(_mirror_removed))
             from attn_di.integrations.vllm import _selector, _workers
 
-            state.undo.append(_selector.install())
+            # _workers first: its check (what other processes will run) comes before the
+            # start-up check's announcement of the backend (_selector wraps it).
             state.undo.append(_workers.install())
+            state.undo.append(_selector.install())
             for side in state.sides:
                 for member in side.attn_di_enum:
                     _mirror_added(member)
