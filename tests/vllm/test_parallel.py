@@ -74,7 +74,10 @@ def test_pipeline_parallel_workers_run_the_registration(tiny_llama: Path) -> Non
     """PP=2, compiled mode (vLLM 0.32's eager PP fails in vLLM itself): both stages, one
     layer each, built attn_di's impl from the driver's registration."""
     register_backend(AttentionBackendEnum.CPU_ATTN, CPU_ATTN_PATH)
-    llm = LLM(**tiny_settings(tiny_llama, pipeline_parallel_size=2, enforce_eager=False))
+    # compiled mode with torch.compile's "eager" backend: vLLM's compiled path (its warm-up
+    # run allocates the stages' intermediate tensors) without inductor's C++ builds
+    compiled = {"enforce_eager": False, "compilation_config": {"backend": "eager"}}
+    llm = LLM(**tiny_settings(tiny_llama, pipeline_parallel_size=2, **compiled))
     try:
         assert llm.collective_rpc(worker_impls) == [(0, [ATTN_DI_IMPL]), (0, [ATTN_DI_IMPL])]
         assert _generate(llm) == [NEW_TOKENS] * len(TOKEN_PROMPTS)
