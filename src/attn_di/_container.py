@@ -29,7 +29,12 @@ from attn_di._family import (
     on_member_added,
     on_member_removed,
 )
-from attn_di._overrides import BackendOverride, ContainerOverride, override_target
+from attn_di._overrides import (
+    BackendOverride,
+    ContainerOverride,
+    check_propagation,
+    override_target,
+)
 from attn_di._paths import check_class_path, resolves_to
 from attn_di._provider import BackendProvider, Layer, Target
 from attn_di._state import (
@@ -261,7 +266,8 @@ class _ContainerAPI:
         created for another project's member (:func:`attn_di.register_enum_alias`) while it
         has no registration: its default is that project's, not a registration. A
         sub-container's names carry its key (``"mamba:CUSTOM"``). Override blocks are
-        scoped, never exported.
+        scoped, never exported, except those entered with ``propagate=True``: while one is
+        active, its class is exported for the member in place of the registration.
 
         Args:
             strict: raise for a class with no importable path; False leaves it out with an
@@ -285,7 +291,7 @@ class _ContainerAPI:
             builtin = container.family.builtin
             for provider in container._own_providers():
                 name = provider.name
-                target = provider._registered
+                target = provider.propagated_target() or provider._registered
                 if target is None and (name in builtin or is_alias_member(provider.member)):
                     continue  # a default: built in, or another project's (an enum alias)
                 target = target or provider._default
@@ -358,7 +364,7 @@ class _ContainerAPI:
 
     # -- overrides --------------------------------------------------------------------
     def override(
-        self, member: Any, impl: Any = _MISSING, *, local: bool = False
+        self, member: Any, impl: Any = _MISSING, *, local: bool = False, propagate: bool = False
     ) -> BackendOverride | ContainerOverride:
         """Override backends, at once, until the returned handle is exited or restored.
 
@@ -375,11 +381,21 @@ class _ContainerAPI:
                 ``mocker.Mock(spec=...)``), returned as is by resolution.
             local: visible only in the current thread / asyncio task (a ContextVar) and in
                 tasks it starts.
+            propagate: also reach the processes started while the block is active (vLLM's
+                workers and engine cores, multiprocessing spawn children, subprocesses): the
+                override goes into ``ATTN_DI_REGISTRATIONS`` (as a registration would) until
+                the block ends. Only for classes another process can import by their path
+                (or dotted paths), in the default container with automatic propagation on.
 
         Raises:
             UnknownBackendError, InvalidBackendTypeError, InvalidClassPathError: nothing changes.
+            UnexportableBackendError: (``propagate=True``) a class with no importable path, a
+                test double, or a container whose changes are not propagated now (the reason
+                says which); nothing changes.
         """
-        if impl is not _MISSING and not local:
+        if not isinstance(propagate, bool):
+            raise InvalidBackendTypeError("propagate", propagate, "True or False")
+        if impl is not _MISSING and not local and not propagate:
             # The common case, kept short (it is timed against dependency-injector's override).
             key_ok = isinstance(member, (str, BackendEnum))
             provider = self._by_key.get(member) if key_ok else None
@@ -400,6 +416,13 @@ class _ContainerAPI:
         elif isinstance(member, Mapping):
             requested = member.items()
         elif containers.is_container(member):
+            if propagate:
+                raise InvalidBackendTypeError(
+                    "propagate",
+                    True,
+                    "False for a dependency-injector container override",
+                    hint="override members (container.override(member, impl, propagate=True))",
+                )
             return ContainerOverride(self, member)
         else:
             raise InvalidBackendTypeError(
@@ -416,9 +439,12 @@ class _ContainerAPI:
                 raise InvalidBackendTypeError(
                     "member", key, f"given once; {provider.name} appears twice in the mapping"
                 )
-            targets[provider] = override_target(value, local=local)
+            target = override_target(value, local=local)
+            if propagate:
+                check_propagation(self._top(), provider.name, target, local=local)
+            targets[provider] = target
             impls[provider.member] = value
-        handle = BackendOverride(Layer(targets, local), impls)
+        handle = BackendOverride(Layer(targets, local, propagate), impls)
         handle.apply()
         return handle
 

@@ -8,17 +8,24 @@ from typing import TYPE_CHECKING, Any
 
 from dependency_injector import containers
 
-from attn_di._paths import check_class_path
+from attn_di._paths import check_class_path, resolves_to
 from attn_di._provider import Layer, Target
-from attn_di._state import GENERATION, LOCAL_LAYERS, REGISTRY_LOCK
-from attn_di.exceptions import InvalidBackendTypeError
+from attn_di._state import (
+    GENERATION,
+    LOCAL_LAYERS,
+    PROPAGATION,
+    REGISTRY_LOCK,
+    notify_quietly,
+    notify_registrations_changed,
+)
+from attn_di.exceptions import InvalidBackendTypeError, UnexportableBackendError
 
 if TYPE_CHECKING:
     from typing import Self
 
     from attn_di._family import BackendEnum
 
-__all__ = ["BackendOverride", "ContainerOverride", "override_target"]
+__all__ = ["BackendOverride", "ContainerOverride", "check_propagation", "override_target"]
 
 
 class BackendOverride:
@@ -29,15 +36,21 @@ class BackendOverride:
     A local layer is visible only in the context (thread / asyncio task) that made it and in
     contexts copied from it; restoring it from any thread ends it in all of them.
 
+    A layer entered with ``propagate=True`` is also in the exported registrations
+    (``ATTN_DI_REGISTRATIONS``) while it is active, so processes started meanwhile resolve its
+    classes too; exiting rewrites the variable without it.
+
     Attributes:
         impls: ``{member: impl}`` as given.
         local: whether the layer is context-local.
+        propagate: whether the layer reaches processes started while it is active.
     """
 
     def __init__(self, layer: Layer, impls: Mapping[BackendEnum, Any]) -> None:
         self._layer = layer
         self.impls = impls
         self.local = layer.local
+        self.propagate = layer.propagate
         self._active = False
 
     @property
@@ -54,6 +67,13 @@ class BackendOverride:
                 for provider, target in self._layer.targets.items():
                     provider.push_layer(self._layer, target)
         self._active = bool(self._layer.targets)
+        if self._layer.propagate:
+            try:
+                notify_registrations_changed(None)  # write ATTN_DI_REGISTRATIONS with it
+            except BaseException:  # a warning turned into an error: as before the call
+                self._remove()
+                notify_quietly(None)
+                raise
 
     def restore(self) -> None:
         """Remove this layer (and nothing else). No-op if already removed."""
@@ -67,7 +87,13 @@ class BackendOverride:
                 GENERATION[0] += 1
             LOCAL_LAYERS.set(_alive(LOCAL_LAYERS.get()))
             return
-        layer.alive = False
+        self._remove()
+        if layer.propagate:
+            notify_registrations_changed(None)  # ATTN_DI_REGISTRATIONS without it
+
+    def _remove(self) -> None:
+        self._active = False
+        self._layer.alive = False
         with REGISTRY_LOCK:
             for provider in self._layer.targets:
                 provider.remove_layer(self._layer)
@@ -86,7 +112,7 @@ class BackendOverride:
     def __repr__(self) -> str:
         names = ", ".join(f"{member.name}={_describe(impl)}" for member, impl in self.impls.items())
         state = "active" if self._active else "restored"
-        kind = "local " if self.local else ""
+        kind = "local " if self.local else "propagated " if self.propagate else ""
         return f"<BackendOverride {kind}{state}: {names}>"
 
 
@@ -204,6 +230,46 @@ def override_target(impl: object, *, local: bool) -> Target:
             "impl", impl, "a backend class, a dotted class path, or a callable test double"
         )
     return Target.of_object(impl, source)
+
+
+def check_propagation(container: object, member: str, target: Target, *, local: bool) -> None:
+    """Refuse ``override(..., propagate=True)`` where the override could not reach new
+    processes: a context-local layer, an object another process cannot import by its path,
+    or a container whose changes are not written to ``ATTN_DI_REGISTRATIONS`` now.
+
+    Raises:
+        InvalidBackendTypeError: ``local=True`` with ``propagate=True``.
+        UnexportableBackendError: the class (or test double) has no importable path, or
+            automatic propagation would not write it (the reason says which).
+    """
+    if local:
+        raise InvalidBackendTypeError(
+            "propagate",
+            True,
+            "False for a local override (local=True is visible in one thread or task only)",
+            hint="drop local=True to override for every thread and the processes started "
+            "in the block, or drop propagate=True",
+        )
+    if target.has_object:
+        obj = target.load(member)
+        if not isinstance(obj, type):
+            reason = (
+                f"is a {type(obj).__name__} object (a test double?), not a class another "
+                "process can import by its path"
+            )
+            raise UnexportableBackendError(member, target.path, reason, kind="override")
+        if not resolves_to(target.path, obj):
+            reason = "does not import back to the same class in a new process"
+            raise UnexportableBackendError(member, target.path, reason, kind="override")
+    refusal = PROPAGATION.refusal(container)
+    if refusal is not None:
+        error = UnexportableBackendError(member, target.path, refusal, kind="override")
+        error.hint = (
+            "override in the default container with automatic propagation on "
+            "(attn_di.set_auto_propagation(True); it is on unless turned off) and no "
+            "propagate_registrations() handle active, or register the class instead"
+        )
+        raise error
 
 
 def _alive(layers: tuple[Layer, ...]) -> tuple[Layer, ...]:

@@ -28,7 +28,9 @@ the block. Limits:
 - the forkserver process is started once, with the environment of that moment: call
   :func:`propagate_registrations` before the first forkserver child starts, or pass
   ``initializer=handle.initializer, initargs=handle.initargs`` to a pool;
-- registrations only: override blocks are scoped to their process and never exported;
+- registrations only: override blocks are scoped to their process and never exported,
+  except those entered with ``override(..., propagate=True)`` (automatic propagation on),
+  which are in the variable while they are active;
 - a class with no importable path (defined in a function) cannot be exported:
   :class:`~attn_di.exceptions.UnexportableBackendError`, naming it, and nothing is written;
 - paths are imported lazily in the child: a path that does not import there fails on first
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from types import TracebackType
@@ -48,7 +51,13 @@ from typing import TYPE_CHECKING, Any
 from attn_di._container import BackendContainer, warn_unexportable
 from attn_di._default import get_container
 from attn_di._env import Switch
-from attn_di._state import DEFAULT, REGISTRY_LOCK, on_registrations_changed, user_stacklevel
+from attn_di._state import (
+    DEFAULT,
+    PROPAGATION,
+    REGISTRY_LOCK,
+    on_registrations_changed,
+    user_stacklevel,
+)
 from attn_di.exceptions import (
     AttnDIError,
     InvalidBackendTypeError,
@@ -65,15 +74,18 @@ __all__ = [
     "AUTO_SWITCH",
     "PLUGINS_ENV",
     "REGISTRATIONS_ENV",
+    "VLLM_REGISTRY",
     "PropagatedRegistrations",
     "apply_inherited_registrations",
     "apply_snapshot",
     "auto_propagation_enabled",
     "propagate_registrations",
+    "propagation_refusal",
     "ray_runtime_env",
     "read_auto_switch",
     "set_auto_propagation",
     "swap_auto_propagation",
+    "vllm_registrations",
 ]
 
 REGISTRATIONS_ENV = "ATTN_DI_REGISTRATIONS"
@@ -187,6 +199,11 @@ def ray_runtime_env(
     ``env_vars`` (``ATTN_DI_REGISTRATIONS``, and ``ATTN_DI_PLUGINS`` when set here) and are
     applied when the worker imports attn_di. Ray itself is not imported.
 
+    vLLM's own registrations (vLLM's ``register_backend``) made before attn_di's vLLM bridge
+    is installed are in the snapshot too, where attn_di holds no registration for the member
+    (attn_di's wins, as when the bridge is installed): this runtime_env never hides them
+    from Ray workers. vLLM is not imported here; only an already imported registry is read.
+
     Args:
         runtime_env: a runtime_env to extend (copied, not changed); its other keys and
             ``env_vars`` are kept, attn_di's variables replace any of the same name.
@@ -202,6 +219,8 @@ def ray_runtime_env(
             "runtime_env", runtime_env, "a mapping (a Ray runtime_env dict) or None"
         )
     snapshot = (container if container is not None else get_container()).export_registrations()
+    for name, class_path in vllm_registrations().items():
+        snapshot.setdefault(name, class_path)
     for name, class_path in snapshot.items():
         if class_path.startswith(("__main__.", "__main__:", "__mp_main__.")):
             raise UnexportableBackendError(
@@ -218,6 +237,58 @@ def ray_runtime_env(
         env_vars[PLUGINS_ENV] = allowlist
     extended["env_vars"] = env_vars
     return extended
+
+
+VLLM_REGISTRY = "vllm.v1.attention.backends.registry"
+"""vLLM's backend registry module: its ``_ATTN_OVERRIDES`` / ``_MAMBA_ATTN_OVERRIDES`` dicts
+hold vLLM's own registrations (``{member: class path}``) until attn_di's bridge is installed."""
+
+
+def vllm_registrations() -> dict[str, str]:
+    """vLLM's own registrations, as snapshot entries (``"CPU_ATTN"``, ``"mamba:MAMBA2"``).
+
+    Read only where vLLM's registry is imported already (vLLM is never imported here); while
+    attn_di's bridge is installed these dicts are views of attn_di's registrations, which the
+    snapshot has anyway.
+    """
+    registry = sys.modules.get(VLLM_REGISTRY)
+    if registry is None:
+        return {}
+    found: dict[str, str] = {}
+    for attribute, prefix in (("_ATTN_OVERRIDES", ""), ("_MAMBA_ATTN_OVERRIDES", "mamba:")):
+        overrides = getattr(registry, attribute, None)
+        if type(overrides) is not dict:  # the bridge's views of attn_di's: in the snapshot
+            continue
+        for member, class_path in list(overrides.items()):
+            name = getattr(member, "name", None)
+            if isinstance(name, str) and isinstance(class_path, str) and class_path:
+                found[prefix + name] = class_path
+    return found
+
+
+def propagation_refusal(container: object) -> str | None:
+    """Why a change of ``container`` would not be written to ``ATTN_DI_REGISTRATIONS`` now
+    (automatic propagation off, an explicit handle's snapshot in place, not the default
+    container), or None when it would (asked by ``override(..., propagate=True)``)."""
+    if not _auto[0]:
+        return (
+            "would not be written to ATTN_DI_REGISTRATIONS: automatic propagation is off "
+            "(set_auto_propagation(False), ATTN_DI_AUTO_PROPAGATE=0, or a test's isolation)"
+        )
+    if _active_handles:
+        return (
+            "would not be written to ATTN_DI_REGISTRATIONS: a propagate_registrations() "
+            "handle's snapshot is in place until it is restored"
+        )
+    if container is not DEFAULT.current:
+        return (
+            "would not be written to ATTN_DI_REGISTRATIONS: only the default container's "
+            "(attn_di.get_container()) changes reach new processes"
+        )
+    return None
+
+
+PROPAGATION.refusal = propagation_refusal
 
 
 # Handles whose snapshot is in os.environ, oldest first, and the value before the first one.

@@ -100,13 +100,18 @@ class Layer:
     ``alive`` turns False when the block is restored. A context-local layer stays in the
     ContextVar of the context that made it (and of contexts copied from it) until that context
     drops it, but a dead layer is skipped everywhere: restoring from another thread works.
+    ``propagate`` (global layers only) puts the layer's targets into the exported
+    registrations while it is alive (``override(..., propagate=True)``).
     """
 
-    __slots__ = ("__weakref__", "alive", "local", "targets")
+    __slots__ = ("__weakref__", "alive", "local", "propagate", "targets")
 
-    def __init__(self, targets: dict[BackendProvider, Target], local: bool) -> None:
+    def __init__(
+        self, targets: dict[BackendProvider, Target], local: bool, propagate: bool = False
+    ) -> None:
         self.targets = targets
         self.local = local
+        self.propagate = propagate
         self.alive = True
 
 
@@ -193,6 +198,15 @@ class BackendProvider(providers.Provider[Any]):
         if layers:
             return layers[-1][1]
         return self._registered or self._default
+
+    def propagated_target(self) -> Target | None:
+        """The newest global layer's target entered with ``propagate=True``, or None: what
+        the exported registrations carry for this member in its place (see
+        ``export_registrations``)."""
+        for layer, target in reversed(self._layers):
+            if layer.propagate and layer.alive:
+                return target
+        return None
 
     def get_path(self, include_classname: bool = True) -> str:
         """The class path of the effective target (module part only if not include_classname).

@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT",
     "GENERATION",
     "LOCAL_LAYERS",
+    "PROPAGATION",
     "REGISTRY_LOCK",
     "DefaultCell",
     "notify_quietly",
@@ -58,6 +59,24 @@ def _not_installed() -> Any:  # pragma: no cover - attn_di/__init__ installs the
 
 
 DEFAULT = DefaultCell()
+
+
+class PropagationCell:
+    """Why changes of a container would not reach new processes: ``refusal(container)``
+    gives the reason, or None when they would (installed by :mod:`attn_di._propagation`;
+    asked by ``override(..., propagate=True)``)."""
+
+    __slots__ = ("refusal",)
+
+    def __init__(self) -> None:
+        self.refusal: Callable[[Any], str | None] = _no_propagation
+
+
+def _no_propagation(container: Any) -> str | None:  # pragma: no cover - replaced at import
+    return "attn_di._propagation is not imported; import attn_di first"
+
+
+PROPAGATION = PropagationCell()
 
 _listeners: list[Callable[[Any], None]] = []
 

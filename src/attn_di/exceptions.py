@@ -11,6 +11,7 @@ already catch, so ``except ValueError`` keeps working where vLLM raised one::
     ├── InvalidBackendTypeError (TypeError)             an argument of the wrong kind
     ├── InvalidBackendNameError (ValueError)            a runtime member name refused
     ├── UnexportableBackendError (ValueError)           a class with no importable path
+    ├── BackendNotPropagatedError (RuntimeError)        workers in other processes would not see it
     ├── RegistrationsEnvError (ValueError)              inherited ATTN_DI_REGISTRATIONS unusable
     ├── NoValidBackendError (ValueError)                selection found no valid candidate
     ├── BackendRejectedError (ValueError)               a forced backend refuses the config
@@ -37,6 +38,7 @@ __all__ = [
     "AttnDIError",
     "AttnDIWarning",
     "BackendImportError",
+    "BackendNotPropagatedError",
     "BackendNotRegisteredError",
     "BackendRejectedError",
     "EnvSwitchError",
@@ -412,28 +414,88 @@ class InvalidBackendNameError(AttnDIError, ValueError):
 
 
 class UnexportableBackendError(AttnDIError, ValueError):
-    """A registered class that another process could not import by its path.
+    """A registered class (or one given to ``override(..., propagate=True)``) that another
+    process could not import by its path, or that would not be written for other processes.
 
     Attributes:
         member: the member's name.
         class_path: the path computed from the class (``module.qualname``).
-        reason: why that path does not lead back to the class.
+        reason: why that path does not reach another process.
+        kind: ``"registration"`` or ``"override"`` (``propagate=True``).
     """
 
-    def __init__(self, member: str, class_path: str, reason: str) -> None:
+    def __init__(
+        self, member: str, class_path: str, reason: str, kind: str = "registration"
+    ) -> None:
         super().__init__(member, class_path, reason)
         self.member = member
         self.class_path = class_path
         self.reason = reason
-        self.hint = (
-            "define the class at module level in an importable module, or register it "
-            "by its dotted path"
+        self.kind = kind
+        if kind == "override":
+            self.hint = (
+                "override with a class defined at module level in an importable module (or "
+                "its dotted path), or drop propagate=True to override in this process only"
+            )
+        else:
+            self.hint = (
+                "define the class at module level in an importable module, or register it "
+                "by its dotted path"
+            )
+
+    def message(self) -> str:
+        what = "propagate the override" if self.kind == "override" else "export the registration"
+        return f"cannot {what} of {self.member}: class {self.class_path!r} {self.reason}"
+
+
+class BackendNotPropagatedError(AttnDIError, RuntimeError):
+    """What this process resolves a member to would not reach the processes that run it.
+
+    Raised in the process that starts an engine, before any worker starts, when the engine
+    runs attention in other processes (its workers, its engine core) and what this process
+    holds for the member (an override block, a registration the bridge cannot carry) is not
+    what those processes would resolve.
+
+    Attributes:
+        member: the member's name.
+        class_path: what it resolves to here (``module.qualname``).
+        source: where that comes from here (``"override"``, ``"local override"``,
+            ``"registered"``, ...; see ``container.source()``).
+        processes: which processes would not see it (e.g. ``"the 2 worker processes of
+            tensor_parallel_size=2"``).
+        reason: why they would not.
+        elsewhere: what they would run instead, or None where unknown.
+    """
+
+    def __init__(
+        self,
+        member: str,
+        class_path: str,
+        source: str,
+        processes: str,
+        reason: str,
+        elsewhere: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(member, class_path, source, processes, reason, elsewhere)
+        self.member = member
+        self.class_path = class_path
+        self.source = source
+        self.processes = processes
+        self.reason = reason
+        self.elsewhere = elsewhere
+        self.hint = hint or (
+            f"register it instead (attn_di.register_backend({member!r}, 'package.module.Class') "
+            "or vLLM's register_backend): registrations reach every process through "
+            "ATTN_DI_REGISTRATIONS; or, for a class importable by its path, enter the block "
+            f"with override({member}, ..., propagate=True)"
         )
 
     def message(self) -> str:
+        instead = f"; they would run {self.elsewhere}" if self.elsewhere else ""
         return (
-            f"cannot export the registration of {self.member}: class {self.class_path!r} "
-            f"{self.reason}"
+            f"{self.member} resolves to {self.class_path} here ({self.source}), but "
+            f"{self.processes} would not see it: {self.reason}{instead}"
         )
 
 

@@ -226,3 +226,63 @@ def serving(
             except subprocess.TimeoutExpired:
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)
+
+
+def write_tiny_llama(folder: Path) -> Path:
+    """A random-weight Llama (2 layers, 4 query heads and 2 KV heads of 64, a vocabulary of
+    256 ids, float32) as an HF folder, seeded; no tokenizer: engines on it take token ids
+    (``skip_tokenizer_init=True``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session", name="tiny_llama")
+def _tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+#: Token-id prompts for engines on the tiny Llama (no tokenizer).
+TOKEN_PROMPTS = [[1, 17, 42, 99, 7], [1, 5, 6, 200]]
+
+
+def tiny_settings(model: Path, **options: Any) -> dict[str, Any]:
+    """Engine arguments for the tiny Llama: small, eager unless told, token ids in and out."""
+    settings: dict[str, Any] = {
+        "model": str(model),
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "max_model_len": 64,
+        "max_num_seqs": 2,
+        "dtype": "float32",
+        "seed": 0,
+    }
+    settings.update(options)
+    return settings
+
+
+def worker_impls(worker: Any) -> tuple[int, list[str]]:
+    """``(data-parallel rank, sorted impl classes)`` of one vLLM worker's attention layers;
+    run in every worker through ``collective_rpc`` (pickled by name). The rank is vLLM's
+    ``data_parallel_index`` (a dense model's DP ranks run as independent DP=1 engines, whose
+    ``data_parallel_rank`` is 0)."""
+    config = worker.model_runner.vllm_config
+    layers = config.compilation_config.static_forward_context.values()
+    impls = {f"{type(layer.impl).__module__}.{type(layer.impl).__qualname__}" for layer in layers}
+    return int(config.parallel_config.data_parallel_index), sorted(impls)

@@ -9,7 +9,11 @@ or ``local=True``) is what vLLM's ``get_class()``, ``get_path()``, ``is_overridd
 selector answer inside the block, and nothing after it. :func:`uninstall` puts vLLM back as it
 was. vLLM installs the bridge itself in every process (front end, engine core, workers)
 through the ``vllm.general_plugins`` entry point ``attn_di`` (:func:`load_plugin`); vLLM's
-``VLLM_PLUGINS`` allowlist applies and ``ATTN_DI_VLLM_BRIDGE=0`` turns it off.
+``VLLM_PLUGINS`` allowlist applies and ``ATTN_DI_VLLM_BRIDGE=0`` turns it off. An engine that
+would run attention in processes where this process's answer does not hold (an override block
+around a TP/PP/DP or multiprocess engine, a bridge those processes will not install) is
+refused before they start: :class:`~attn_di.exceptions.BackendNotPropagatedError`; register
+instead, or use ``override(..., propagate=True)``.
 
 The defaults rule: each side keeps its own default classes. With nothing registered or
 overridden, vLLM's ``AttentionBackendEnum.CPU_ATTN.get_class()`` is vLLM's CPU backend and

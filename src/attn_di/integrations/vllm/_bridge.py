@@ -8,7 +8,8 @@
   (with live views of attn_di's registrations, so code holding vLLM's own
   ``register_backend`` registers in attn_di too);
 - the selector's caches (:mod:`attn_di.integrations.vllm._selector`) and the engine's start-up
-  check;
+  checks (there, and :mod:`attn_di.integrations.vllm._workers`: what other processes of the
+  engine will run), and adds ``ATTN_DI_`` to vLLM's Ray prefixes;
 - the logging record factory and vLLM's engine-client constructors, which carry an attn_di
   error raised in another vLLM process to the process that starts the engine
   (:mod:`attn_di.integrations.vllm._failures`).
@@ -336,8 +337,11 @@ def install() -> None:
             registry.register_backend = register_backend
             state.undo.append(attn_di.on_member_added(_mirror_added))
             state.undo.append(attn_di.on_member_removed(_mirror_removed))
-            from attn_di.integrations.vllm import _failures, _selector
+            from attn_di.integrations.vllm import _failures, _selector, _workers
 
+            # _workers first: its check (what other processes will run) comes before the
+            # start-up check's announcement of the backend (_selector wraps it).
+            state.undo.append(_workers.install())
             state.undo.append(_selector.install())
             state.undo.append(_failures.install())
             for side in state.sides:
