@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from attn_di.conformance import plan_conformance
 from attn_di.conformance._runner import parse_shard
 from attn_di.exceptions import InvalidInputError
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conformance.test_cli import conform
 
 
 @pytest.mark.parametrize("count", [1, 3, 7])
@@ -71,17 +66,6 @@ def test_parse_shard_accepts_spaces_and_tuples() -> None:
     assert parse_shard(None) is None
 
 
-def _conform(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "attn_di", "conform", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-
-
 def test_the_cli_runs_one_shard_and_says_so() -> None:
     """Three cells given by id, shard 2/3: only the second runs; the title and JSON say which
     shard; a bad shard is one line with the hint, exit 2, no traceback."""
@@ -91,16 +75,16 @@ def test_the_cli_runs_one_shard_and_says_so() -> None:
         "bf16-gqa4-mixed-len19-window6-block16",
     ]
     cases = [arg for cid in ids for arg in ("--case", cid)]
-    result = _conform("CPU_ATTN", *cases, "--shard", "2/3", "--json")
+    result = conform("CPU_ATTN", *cases, "--shard", "2/3", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["shard"] == "2/3"
     assert [cell["id"] for cell in data["results"]] == [ids[1]]
-    table = _conform("CPU_ATTN", *cases, "--shard", "2/3")
+    table = conform("CPU_ATTN", *cases, "--shard", "2/3")
     assert table.stdout.splitlines()[0] == (
         "CPU_ATTN (CPU_ATTN): 1 cells, default matrix, shard 2/3, seed 0"
     )
-    bad = _conform("CPU_ATTN", "--shard", "4/3")
+    bad = conform("CPU_ATTN", "--shard", "4/3")
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
     assert "shard: '4/3': K must be between 1 and N" in bad.stderr

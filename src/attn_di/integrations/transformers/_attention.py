@@ -508,6 +508,21 @@ def _paged_chunks(
     return metadata
 
 
+def _check_scratch_layout(backend_cls: Any, expected: tuple[int, int, int, int, int]) -> None:
+    """Refuse a backend whose KV cache is not attn_di's ``[2, num_blocks, block_size, H_kv,
+    D]`` layout, which the scratch caches over transformers' own keys are written in.
+
+    Raises:
+        UnsupportedFeatureError: another layout, naming it.
+    """
+    _, blocks, block_size, kv_heads, size = expected
+    shape = tuple(backend_cls.get_kv_cache_shape(blocks, block_size, kv_heads, size))
+    if shape != expected:
+        error = _unsupported(backend_cls, f"transformers' own caches (its KV layout is {shape})")
+        error.hint = "use attn_di.integrations.transformers.PagedCache with this backend"
+        raise error
+
+
 def _contiguous(
     impl: AttentionImpl,
     backend_cls: Any,
@@ -525,11 +540,7 @@ def _contiguous(
     batch, q_len, size = int(query.shape[0]), int(query.shape[2]), int(query.shape[3])
     kv_heads, k_len = int(key.shape[1]), int(key.shape[2])
     expected = (2, batch, k_len, kv_heads, size)
-    shape = tuple(backend_cls.get_kv_cache_shape(batch, k_len, kv_heads, size))
-    if shape != expected:
-        error = _unsupported(backend_cls, f"transformers' own caches (its KV layout is {shape})")
-        error.hint = "use attn_di.integrations.transformers.PagedCache with this backend"
-        raise error
+    _check_scratch_layout(backend_cls, expected)
     valid = None if valid is None else valid[:, -k_len:]
     if valid is None:
         keys, values = key, value
@@ -604,11 +615,7 @@ def _chunked(
     kv_lens = [len(columns) for _, columns in groups]
     width = max(kv_lens)
     expected = (2, len(groups), width, kv_heads, size)
-    shape = tuple(backend_cls.get_kv_cache_shape(len(groups), width, kv_heads, size))
-    if shape != expected:
-        error = _unsupported(backend_cls, f"transformers' own caches (its KV layout is {shape})")
-        error.hint = "use attn_di.integrations.transformers.PagedCache with this backend"
-        raise error
+    _check_scratch_layout(backend_cls, expected)
     scratch = torch.empty(expected, dtype=key.dtype, device=key.device)
     for group, (row, columns) in enumerate(groups):
         scratch[0, group, : len(columns)].copy_(key[row][:, columns].transpose(0, 1))
