@@ -51,28 +51,6 @@ def _propagation() -> Iterator[None]:
     attn_di.set_auto_propagation(before)
 
 
-@pytest.fixture(scope="module", name="tiny_llama")
-def _tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight ``LlamaForCausalLM``: 2 layers, 4 heads of 32 over 2 KV heads."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        architectures=["LlamaForCausalLM"],
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module", name="bert")
 def _bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
@@ -80,7 +58,7 @@ def _bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def start(model: Path, *, multiprocess: bool = True, **options: object) -> None:
     """Start an engine on ``model`` that is expected to fail (small, no tokenizer)."""
-    settings: dict[str, object] = {"max_model_len": 128, "skip_tokenizer_init": True}
+    settings: dict[str, object] = {"max_model_len": 64, "skip_tokenizer_init": True}
     settings.update(options)
     with engine(model, multiprocess=multiprocess, **settings):
         pytest.fail("the engine started")
