@@ -474,7 +474,7 @@ def test_conform_fails_a_mutant_and_its_rerun_line_reruns_one_failing_cell() -> 
 
     assert again.returncode == 1, again.stderr
     assert _failing_ids(again.stdout) == [case_id]
-    assert "1 cells" in again.stdout
+    assert "1 cell," in again.stdout
 
 
 def _first_cell(mutant: type[Mutant]) -> str:

@@ -82,7 +82,7 @@ def test_the_cli_runs_one_shard_and_says_so() -> None:
     assert [cell["id"] for cell in data["results"]] == [ids[1]]
     table = conform("CPU_ATTN", *cases, "--shard", "2/3")
     assert table.stdout.splitlines()[0] == (
-        "CPU_ATTN (CPU_ATTN): 1 cells, default matrix, shard 2/3, seed 0"
+        "CPU_ATTN (CPU_ATTN): 1 cell, default matrix, shard 2/3, seed 0"
     )
     bad = conform("CPU_ATTN", "--shard", "4/3")
     assert bad.returncode == 2

@@ -14,23 +14,30 @@ import time
 from typing import Any
 
 from attn_di.cli._output import print_json, print_table
+from attn_di.exceptions import InvalidInputError
 
 __all__ = ["run_conform"]
+
+_OPTIONS = {"dtypes": "--dtype", "case id": "--case", "shard": "--shard"}
 
 
 def run_conform(args: argparse.Namespace) -> int:
     """Run the matrix on ``args.target``; 0 if it conforms, 1 if not."""
     from attn_di.conformance import plan_conformance
-    from attn_di.conformance._report import CAPABILITY_COLUMNS, capability_rows
+    from attn_di.conformance._report import CAPABILITY_COLUMNS, capability_rows, cells
 
-    plan = plan_conformance(
-        args.target,
-        full=args.full,
-        seed=args.seed,
-        dtypes=args.dtype or None,
-        case_ids=args.case or None,
-        shard=args.shard,
-    )
+    try:
+        plan = plan_conformance(
+            args.target,
+            full=args.full,
+            seed=args.seed,
+            dtypes=args.dtype or None,
+            case_ids=args.case or None,
+            shard=args.shard,
+        )
+    except InvalidInputError as error:  # name the options as the command line has them
+        error.argument = _OPTIONS.get(error.argument, error.argument)
+        raise
     started = time.perf_counter()
     with _Progress(len(plan), plan.driver.backend_name) as advance:
         report = plan.run(progress=advance)
@@ -41,7 +48,7 @@ def run_conform(args: argparse.Namespace) -> int:
         sys.stdout.write(report.to_markdown())
     else:
         title = (
-            f"{report.backend_name} ({report.target}): {len(report.results)} cells, "
+            f"{report.backend_name} ({report.target}): {cells(len(report.results))}, "
             f"{report.matrix_name()}, seed {report.seed}"
         )
         print_table(title, CAPABILITY_COLUMNS, capability_rows(report.results))

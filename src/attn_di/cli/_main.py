@@ -186,10 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conform.add_argument(
         "--dtype",
-        action="extend",
-        nargs="+",
+        action="append",
         metavar="DTYPE",
-        help="only cells of these dtypes (float32, bfloat16, float16; repeatable)",
+        help="only cells of this dtype (float32, bfloat16, float16; repeatable, or "
+        "comma-separated: --dtype float32,bfloat16)",
     )
     conform.add_argument(
         "--case",
@@ -424,7 +424,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "conform":
         from attn_di.cli._conform import run_conform
 
-        args.dtype = [_canonical_dtype(d) for d in args.dtype or ()]
+        args.dtype = [d.strip() for given in args.dtype or () for d in given.split(",")]
         _add_cwd_to_path()
         return run_conform(args)
     if args.command == "list":

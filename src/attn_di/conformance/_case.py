@@ -158,11 +158,19 @@ class Case:
         _choice("gqa", self.gqa, tuple(GQA))
         _choice("table", self.table, ("shuffled", "shared"))
         _choice("check", self.check, CHECKS)
-        for name in ("seq_len", "head_size", "block_size"):
-            if int(getattr(self, name)) < 1:
-                raise InvalidInputError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.window is not None and self.window < 1:
-            raise InvalidInputError("window", f"must be >= 1 or None, got {self.window}")
+        for name, most in _BOUNDS.items():
+            value = int(getattr(self, name))
+            if not 1 <= value <= most:
+                raise InvalidInputError(
+                    name,
+                    f"must be between 1 and {most}, got {value}",
+                    hint=f"the closest is {min(max(value, 1), most)}",
+                )
+        if self.window is not None and not 1 <= self.window <= _BOUNDS["seq_len"]:
+            raise InvalidInputError(
+                "window",
+                f"must be between 1 and {_BOUNDS['seq_len']} or None, got {self.window}",
+            )
         if self.softcap is not None and not self.softcap > 0:
             raise InvalidInputError("softcap", f"must be > 0 or None, got {self.softcap}")
         if (self.check == "bad_input") != (self.bad_input is not None):
@@ -282,36 +290,55 @@ class Case:
                 a hint), or values out of range.
         """
         values: dict[str, object] = {}
+        given: dict[str, str] = {}  # field -> the token that gave it
         short = {value: key for key, value in DTYPES.items()}
         checks = {value: key for key, value in _CHECK_TOKENS.items()}
         for token in case_id.strip().split("-"):
             number = token.lstrip("abcdefghijklmnopqrstuvwxyz_")
             prefix = token[: len(token) - len(number)]
+            update: dict[str, object]
             if token in short:
-                values["dtype"] = short[token]
+                update = {"dtype": short[token]}
             elif token in GQA:
-                values["gqa"] = token
+                update = {"gqa": token}
             elif token in KINDS:
-                values["kind"] = token
+                update = {"kind": token}
             elif token in ("alibi", "sinks", "output", "padded"):
-                values[token] = True
+                update = {token: True}
             elif token == "shared":
-                values["table"] = "shared"
+                update = {"table": "shared"}
             elif token == "finitetails":
-                values["finite_tails"] = True
+                update = {"finite_tails": True}
             elif token in checks:
-                values["check"] = checks[token]
+                update = {"check": checks[token]}
             elif token.startswith("bad_"):
-                values["check"], values["bad_input"] = "bad_input", token.removeprefix("bad_")
+                update = {"check": "bad_input", "bad_input": token.removeprefix("bad_")}
             elif prefix in _NUMBERED and number:
-                field, convert = _NUMBERED[prefix]
+                field_name, convert = _NUMBERED[prefix]
                 try:
-                    values[field] = convert(number)
+                    update = {field_name: convert(number)}
                 except ValueError:
                     raise _bad_token(case_id, token) from None
             else:
                 raise _bad_token(case_id, token)
-        return cls(**values)  # type: ignore[arg-type]
+            for field_name in update:
+                if field_name in given:
+                    raise InvalidInputError(
+                        "case id",
+                        f"{case_id!r}: {given[field_name]!r} and {token!r} both give its "
+                        f"{field_name}",
+                        hint="an id names each axis once: keep one of them",
+                    )
+                given[field_name] = token
+            values.update(update)
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except InvalidInputError as error:  # a value out of range: name the id too
+            raise InvalidInputError(
+                "case id",
+                f"{case_id!r}: {error.message()}",
+                hint=error.hint or "ids look like bf16-gqa4-decode-len150-window50-block16",
+            ) from None
 
     def data_seed(self, seed: int) -> int:
         """The seed of this cell's random batch: the run's ``seed`` mixed with the id."""
@@ -325,6 +352,10 @@ class Case:
         """``{axis: value}`` of every field."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+
+_BOUNDS: dict[str, int] = {"seq_len": 32768, "head_size": 1024, "block_size": 4096}
+"""The largest sequence length, head size and block size a cell may have (the matrix's
+longest sequence is 8192 tokens): a cell's batch stays within a few GiB."""
 
 _NUMBERED: dict[str, tuple[str, type]] = {
     "h": ("head_size", int),

@@ -10,7 +10,7 @@ from typing import Any
 
 from attn_di.conformance._case import Case, Outcome
 
-__all__ = ["CellResult", "ConformanceReport", "capability_rows"]
+__all__ = ["CellResult", "ConformanceReport", "capability_rows", "cells"]
 
 _SHOWN_POSITIONS = 5
 
@@ -74,6 +74,11 @@ class CellResult:
             "rerun": self.rerun,
             "seconds": round(self.seconds, 4),
         }
+
+
+def cells(count: int) -> str:
+    """``"1 cell"``, ``"83 cells"``."""
+    return f"{count} cell" if count == 1 else f"{count} cells"
 
 
 @dataclass
@@ -150,7 +155,7 @@ class ConformanceReport:
         lines = [
             f"### {self.backend_name} (`{self.target}`)",
             "",
-            f"{len(self.results)} cells ({self.matrix_name()}, seed {self.seed}): "
+            f"{cells(len(self.results))} ({self.matrix_name()}, seed {self.seed}): "
             + ", ".join(f"{count} {name}" for name, count in self.counts().items() if count)
             + ("" if self.ok else " — **not conformant**"),
             "",

@@ -6,14 +6,14 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from attn_di.backend import dtype_name
 from attn_di.conformance._case import DTYPES, Case, Outcome
 from attn_di.conformance._driver import Driver
-from attn_di.conformance._report import CellResult, ConformanceReport
-from attn_di.exceptions import AttnDIError, InvalidInputError
+from attn_di.conformance._report import CellResult, ConformanceReport, cells
+from attn_di.exceptions import AttnDIError, InvalidInputError, closest_name
 
 if TYPE_CHECKING:
     from attn_di.conformance._matrix import Matrix
@@ -64,8 +64,12 @@ def parse_shard(shard: object) -> tuple[int, int] | None:
         raise InvalidInputError(
             "shard", f"{shard!r} is not K/N", hint="K/N with 1 <= K <= N, e.g. 2/4"
         )
+    if count < 1:
+        raise InvalidInputError(
+            "shard", f"{shard!r}: N, the number of shards, must be >= 1", hint="e.g. 1/4"
+        )
     if not 1 <= index <= count:
-        shards = max(count, 1)
+        shards = count
         closest = min(max(index, 1), shards)
         raise InvalidInputError(
             "shard",
@@ -198,23 +202,77 @@ def plan_conformance(
     Args: as :func:`run_conformance`.
 
     Raises:
-        InvalidInputError: an unknown dtype, a malformed case id or shard.
+        InvalidInputError: an unknown dtype, a malformed case id or shard, a ``seed`` that
+            is no int, a ``full`` that is no bool, or filters that leave no cell.
         UnknownBackendError, BackendImportError, InvalidBackendTypeError: a target that does
             not name a backend class (as :func:`run_conformance`).
     """
     from attn_di.conformance._matrix import build_matrix
     from attn_di.conformance._target import resolve_driver
 
-    wanted = None if dtypes is None else [_dtype(d) for d in dtypes]
-    cases = None if case_ids is None else [Case.from_id(case_id) for case_id in case_ids]
+    if not isinstance(full, bool):
+        raise InvalidInputError("full", f"must be True or False, got {full!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidInputError(
+            "seed", f"must be an int, got {seed!r} ({type(seed).__name__})", hint="e.g. seed=0"
+        )
+    wanted = None if dtypes is None else [_dtype(d) for d in _names("dtypes", dtypes)]
+    cases = None
+    if case_ids is not None:
+        cases = []
+        for case_id in _names("case_ids", case_ids):
+            if not isinstance(case_id, str):
+                raise InvalidInputError(
+                    "case_ids", f"{case_id!r} is not a case id (a str)", hint="see Case.id"
+                )
+            cases.append(Case.from_id(case_id))
     part = parse_shard(shard)
     driver = resolve_driver(target)
+    plan: ConformancePlan
     if cases is not None:
         if wanted is not None:
             cases = [case for case in cases if case.dtype in wanted]
-        return ConformancePlan(driver, cases, seed=int(seed), full=full, shard=part)
-    matrix = build_matrix(driver.capabilities(), seed=int(seed), full=full, dtypes=wanted)
-    return ConformancePlan(driver, matrix, seed=int(seed), full=full, shard=part)
+        plan = ConformancePlan(driver, cases, seed=seed, full=full, shard=part)
+    elif wanted == []:  # no dtype: no cell (and no axis to build pairs on)
+        plan = ConformancePlan(driver, [], seed=seed, full=full, shard=part)
+    else:
+        matrix = build_matrix(driver.capabilities(), seed=seed, full=full, dtypes=wanted)
+        plan = ConformancePlan(driver, matrix, seed=seed, full=full, shard=part)
+    if not len(plan):
+        raise _no_cells(plan, wanted, case_ids)
+    return plan
+
+
+def _names(argument: str, names: object) -> list[object]:
+    """``names`` as a list; a lone string (which would be read letter by letter) refused."""
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise InvalidInputError(
+            argument,
+            f"must be a list, got {names!r} ({type(names).__name__})",
+            hint=f"{argument}=[{names!r}]",
+        )
+    return list(names)
+
+
+def _no_cells(
+    plan: ConformancePlan, dtypes: Sequence[str] | None, case_ids: Sequence[str] | None
+) -> InvalidInputError:
+    """The error for a run that selects no cell (it would pass, having checked nothing)."""
+    why = []
+    if case_ids is not None:
+        why.append(f"{len(case_ids)} case id(s)")
+    if dtypes is not None:
+        why.append(f"dtypes {', '.join(dtypes) or '(none)'}")
+    if plan.shard is not None:
+        index, count = plan.shard
+        why.append(f"shard {index}/{count} of {cells(len(plan.matrix))}")
+    return InvalidInputError(
+        "cells",
+        f"the run selects no cell of {plan.driver.backend_name} ({'; '.join(why)}), so it "
+        "would check nothing",
+        hint="widen the filters: fewer shards than cells, dtypes the cells have "
+        f"({', '.join(DTYPES)})",
+    )
 
 
 def run_conformance(
@@ -257,10 +315,12 @@ def run_conformance(
 def _dtype(dtype: object) -> str:
     name = dtype_name(dtype)
     if name not in DTYPES:
+        close = closest_name(str(dtype), [*DTYPES, *DTYPES.values()])
         raise InvalidInputError(
             "dtypes",
-            f"{dtype!r} is not one of the matrix's dtypes",
-            hint="one of " + ", ".join(DTYPES),
+            f"{dtype!r} is not one of the matrix's dtypes: {', '.join(DTYPES)}",
+            hint=(f"did you mean {close!r}? " if close else "")
+            + f"one of {', '.join(DTYPES)} (or {', '.join(DTYPES.values())})",
         )
     return name
 
