@@ -135,6 +135,7 @@ def test_a_test_double_is_refused() -> None:
     double = mock.Mock()
     error = _refused(lambda: get_container().override({CUSTOM: double}, propagate=True))
     assert "is a Mock object (a test double?), not a class another process can import" in str(error)
+    assert str(error).startswith("cannot propagate the override of CUSTOM: object 'unittest.mock")
 
 
 def test_it_is_refused_where_the_variable_would_not_be_written() -> None:

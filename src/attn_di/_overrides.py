@@ -257,7 +257,9 @@ def check_propagation(container: object, member: str, target: Target, *, local: 
                 f"is a {type(obj).__name__} object (a test double?), not a class another "
                 "process can import by its path"
             )
-            raise UnexportableBackendError(member, target.path, reason, kind="override")
+            raise UnexportableBackendError(
+                member, target.path, reason, kind="override", noun="object"
+            )
         if not resolves_to(target.path, obj):
             reason = "does not import back to the same class in a new process"
             raise UnexportableBackendError(member, target.path, reason, kind="override")

@@ -422,16 +422,24 @@ class UnexportableBackendError(AttnDIError, ValueError):
         class_path: the path computed from the class (``module.qualname``).
         reason: why that path does not reach another process.
         kind: ``"registration"`` or ``"override"`` (``propagate=True``).
+        noun: what ``class_path`` names: ``"class"``, or ``"object"`` for something that is
+            no class (a test double, a function).
     """
 
     def __init__(
-        self, member: str, class_path: str, reason: str, kind: str = "registration"
+        self,
+        member: str,
+        class_path: str,
+        reason: str,
+        kind: str = "registration",
+        noun: str = "class",
     ) -> None:
         super().__init__(member, class_path, reason)
         self.member = member
         self.class_path = class_path
         self.reason = reason
         self.kind = kind
+        self.noun = noun
         if kind == "override":
             self.hint = (
                 "override with a class defined at module level in an importable module (or "
@@ -445,7 +453,7 @@ class UnexportableBackendError(AttnDIError, ValueError):
 
     def message(self) -> str:
         what = "propagate the override" if self.kind == "override" else "export the registration"
-        return f"cannot {what} of {self.member}: class {self.class_path!r} {self.reason}"
+        return f"cannot {what} of {self.member}: {self.noun} {self.class_path!r} {self.reason}"
 
 
 class BackendNotPropagatedError(AttnDIError, RuntimeError):

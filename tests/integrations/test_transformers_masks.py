@@ -230,6 +230,18 @@ def test_a_refused_or_unknown_layer_type_is_refused_by_name(layer_type: str) -> 
     assert "use another attn_implementation for this model" in message
 
 
+def test_a_misspelled_layer_type_gets_the_closest_known_one() -> None:
+    """An unknown layer type: the hint suggests the closest type attn_di runs and lists
+    them all."""
+    with pytest.raises(UnsupportedFeatureError) as caught:
+        AttentionFunction(None)(_layer("full_attenton"), *_qkv(), None)
+    hint = caught.value.hint or ""
+    assert hint.startswith("did you mean 'full_attention'? the layer types attn_di runs: ")
+    assert "sliding_attention" in hint
+    assert "chunked_attention" in hint
+    assert "indexed_attention" not in hint  # a refused type is no choice
+
+
 def test_a_chunked_layer_without_attn_dis_mask_is_refused() -> None:
     """A chunked layer given no mask of attn_di's (a plain 2-D mask, None) is refused:
     its chunk boundaries are unknown, and full causal attention would be wrong."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from attn_di.exceptions import UnsupportedFeatureError
+from attn_di.exceptions import UnsupportedFeatureError, closest_name
 
 __all__ = [
     "BIDIRECTIONAL",
@@ -390,9 +390,18 @@ def check_layer(
     kind = layer_type(module)
     support = LAYER_TYPES.get(kind) if kind is not None else Support("full", "")
     where = _where(module, kind)
-    if support is None or support.kind in ("refused", "not_attention"):
-        reason = support.reason if support is not None else "a layer type attn_di does not know"
-        raise _layer_error(where, reason, "use another attn_implementation for this model")
+    if support is None:
+        known = [name for name, known in LAYER_TYPES.items() if known.kind != "refused"]
+        close = closest_name(str(kind), known)
+        raise _layer_error(
+            where,
+            "a layer type attn_di does not know",
+            (f"did you mean {close!r}? " if close else "")
+            + f"the layer types attn_di runs: {', '.join(known)}; or use another "
+            "attn_implementation for this model",
+        )
+    if support.kind in ("refused", "not_attention"):
+        raise _layer_error(where, support.reason, "use another attn_implementation for this model")
     if support.kind == "chunked":
         size = getattr(getattr(module, "config", None), "attention_chunk_size", None)
         if not size or window:

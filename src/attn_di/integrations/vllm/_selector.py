@@ -40,7 +40,13 @@ from attn_di.exceptions import AttnDIError, BackendRejectedError
 if TYPE_CHECKING:
     from attn_di.integrations.vllm._bridge import Side
 
-__all__ = ["check_engine_config", "install", "record_lookup", "resolve_backend"]
+__all__ = [
+    "check_engine_config",
+    "install",
+    "quiet_announcements",
+    "record_lookup",
+    "resolve_backend",
+]
 
 _logger = logging.getLogger(__name__)
 # A child of vLLM's logger: its lines appear among vLLM's (a server's log shows which backend).
@@ -241,12 +247,23 @@ def _class_path(side: Side, counterpart: Any, resolved: Any) -> str:
 
 
 _announced: set[tuple[str, int, str]] = set()
+_quiet = ContextVar("attn_di_vllm_quiet_announcements", default=False)
+
+
+@contextmanager
+def quiet_announcements() -> Iterator[None]:
+    """Resolve without logging what vLLM's members resolve to (a check that may refuse)."""
+    token = _quiet.set(True)
+    try:
+        yield
+    finally:
+        _quiet.reset(token)
 
 
 def _announce(member: Enum, resolved: Any, source: str) -> None:
     """Log, once per member, class and source, what vLLM's member resolves to."""
     key = (member.name, id(resolved), source)
-    if key in _announced:
+    if key in _announced or _quiet.get():
         return
     _announced.add(key)
     name = getattr(resolved, "__qualname__", type(resolved).__qualname__)

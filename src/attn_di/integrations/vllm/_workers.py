@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable
 from enum import Enum
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.engine.core_client import MPClient
@@ -161,16 +161,31 @@ def check_reach(vllm_config: Any, processes: str) -> None:
     bridge = _bridge_missing()
     if bridge is not None:
         reason, hint = bridge
-        raise BackendNotPropagatedError(
-            member.name, here, source, processes, reason, vllm_own, hint
+        _refuse(
+            vllm_config,
+            BackendNotPropagatedError(member.name, here, source, processes, reason, vllm_own, hint),
         )
     key = ("mamba:" if side.mamba else "") + member.name
     there = _inherited().get(key)
     if there == here:
         return
-    raise BackendNotPropagatedError(
-        member.name, here, source, processes, _why_not(source, there), there or vllm_own
+    _refuse(
+        vllm_config,
+        BackendNotPropagatedError(
+            member.name, here, source, processes, _why_not(source, there), there or vllm_own
+        ),
     )
+
+
+def _refuse(vllm_config: Any, error: BackendNotPropagatedError) -> NoReturn:
+    """Raise ``error``, unless this process's own start-up check refuses the backend first
+    (a path that does not import here, a backend refusing the model): that error is the one
+    to fix, wherever the backend would run. The check runs without announcing the backend."""
+    from attn_di.integrations.vllm._selector import check_engine_config, quiet_announcements
+
+    with quiet_announcements():
+        check_engine_config(vllm_config)
+    raise error
 
 
 def _chosen_member(vllm_config: Any) -> tuple[Side, Enum] | None:
