@@ -196,3 +196,20 @@ def test_ray_runtime_env_carries_vllms_own_registrations(
     view = mock.MagicMock(spec=dict)  # a mapping that is not a plain dict: the bridge's view
     monkeypatch.setitem(sys.modules, VLLM_REGISTRY, _vllm_registry(_ATTN_OVERRIDES=view))
     assert json.loads(ray_runtime_env()["env_vars"][ENV]) == {"CPU_ATTN": "pkg.AttnDISide"}
+
+
+def test_the_not_propagated_hint_for_a_local_override_says_to_drop_local() -> None:
+    """propagate=True is refused with local=True: for a local override block the hint says
+    to enter it without local=True; other sources get no such clause."""
+    from attn_di.exceptions import BackendNotPropagatedError
+
+    def hint(source: str) -> str:
+        error = BackendNotPropagatedError(
+            "CPU_ATTN", "pkg.mod.Cls", source, "the worker process", "why", None
+        )
+        return str(error.hint)
+
+    assert hint("local override").endswith(
+        "propagate=True) (without local=True: a local override stays in its thread)"
+    )
+    assert "local=True" not in hint("override")

@@ -497,7 +497,9 @@ class BackendNotPropagatedError(AttnDIError, RuntimeError):
             "or vLLM's register_backend): registrations reach every process through "
             "ATTN_DI_REGISTRATIONS; or, for a class importable by its path, enter the block "
             f"with override({member}, ..., propagate=True)"
-        )
+            + (" (without local=True: a local override stays in its thread)"
+               if source == "local override" else "")
+        )  # fmt: skip
 
     def message(self) -> str:
         instead = f"; they would run {self.elsewhere}" if self.elsewhere else ""
