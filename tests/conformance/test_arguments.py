@@ -93,3 +93,13 @@ def test_the_cli_names_its_options_and_takes_dtype_before_the_target() -> None:
     twice = conform("CPU_ATTN", "--case", "fp32-fp16-gqa2-mixed-len60")
     assert twice.returncode == 2
     assert "--case: 'fp32-fp16-gqa2-mixed-len60': 'fp32' and 'fp16' both give" in twice.stderr
+
+
+def test_a_target_path_that_does_not_import_gets_a_targets_hint() -> None:
+    """A class path given to conform is a target, not a registration: the hint says where its
+    module must import from, not to register another class."""
+    result = conform("nope_pkg.mod:Backend")
+    assert result.returncode == 2
+    assert "module not found (No module named 'nope_pkg')" in result.stderr
+    assert "hint: check the path: its module must import from here" in result.stderr
+    assert "register_backend" not in result.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from attn_di.conformance._driver import Driver, driver_classes
-from attn_di.exceptions import InvalidBackendTypeError
+from attn_di.exceptions import BackendImportError, InvalidBackendTypeError
 
 __all__ = ["resolve_driver", "resolve_target", "subprocess_spec"]
 
@@ -34,7 +34,17 @@ def resolve_target(target: object) -> tuple[Any, str]:
         text = target.strip()
         if ":" in text or "." in text:
             check_class_path(text)
-            return import_class_path(text, text), text
+            try:
+                return import_class_path(text, text), text
+            except BackendImportError as error:  # a target, not a registration: its own fix
+                if error.reason == error.MODULE_NOT_FOUND and (error.hint or "").startswith(
+                    "install"
+                ):
+                    error.hint = (
+                        "check the path: its module must import from here (the current "
+                        "directory, PYTHONPATH or an installed package)"
+                    )
+                raise
         member = parse_backend_name(text)
         if member is None:  # "auto"
             raise InvalidBackendTypeError(
