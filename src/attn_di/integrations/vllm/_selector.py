@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "check_engine_config",
     "install",
+    "platform_choice",
     "quiet_announcements",
     "record_lookup",
     "resolve_backend",
@@ -398,8 +399,16 @@ def check_engine_config(vllm_config: Any) -> None:
         _check_one(vllm_config, config, backend)
 
 
-def _check_one(vllm_config: Any, config: Any, backend: Any) -> None:
-    """The start-up check for one of the model's attention types (its selector config)."""
+def platform_choice(
+    vllm_config: Any, config: Any, backend: Any
+) -> tuple[str, list[tuple[Side, Enum, str]], tuple[Side, Enum] | None] | None:
+    """What vLLM's platform answers for one selector config: ``(path, lookups, chosen)``,
+    ``chosen`` the side and vLLM member that answered with ``path`` (None: no member did);
+    None when the platform refuses (vLLM says so itself, later).
+
+    Raises:
+        AttnDIError: what attn_di raised while the platform chose.
+    """
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
 
@@ -408,11 +417,20 @@ def _check_one(vllm_config: Any, config: Any, backend: Any) -> None:
             path = current_platform.get_attn_backend_cls(backend, attn_selector_config=config)
         except AttnDIError:
             raise
-        except Exception:  # the platform refuses: vLLM says so itself, later
+        except Exception:
             _logger.debug("attn_di: the platform chose no backend at start-up", exc_info=True)
-            return
+            return None
     mine = [(side, member) for side, member, answered in lookups if answered == path]
-    if not mine or not mine[-1][0].overridden(mine[-1][1]):
+    return path, lookups, mine[-1] if mine else None
+
+
+def _check_one(vllm_config: Any, config: Any, backend: Any) -> None:
+    """The start-up check for one of the model's attention types (its selector config)."""
+    choice = platform_choice(vllm_config, config, backend)
+    if choice is None:
+        return
+    path, lookups, chosen = choice
+    if chosen is None or not chosen[0].overridden(chosen[1]):
         return
     member, backend_cls = resolve_backend(path, lookups)
     if member is not None:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.engine.core_client import MPClient
 
-from attn_di.exceptions import BackendNotPropagatedError
+from attn_di.exceptions import AttnDIError, BackendNotPropagatedError
 
 if TYPE_CHECKING:
     from attn_di.integrations.vllm._bridge import Side
@@ -191,10 +191,7 @@ def _refuse(vllm_config: Any, error: BackendNotPropagatedError) -> NoReturn:
 def _chosen_member(vllm_config: Any) -> tuple[Side, Enum] | None:
     """The side and vLLM member whose path vLLM's platform answers with for the model's
     attention (as the start-up check asks), or None where that cannot be told."""
-    from vllm.config import set_current_vllm_config
-    from vllm.platforms import current_platform
-
-    from attn_di.integrations.vllm._selector import _recording, _selector_configs
+    from attn_di.integrations.vllm._selector import _selector_configs, platform_choice
 
     try:
         configs, backend = _selector_configs(vllm_config)
@@ -204,13 +201,11 @@ def _chosen_member(vllm_config: Any) -> tuple[Side, Enum] | None:
     if not configs:  # MLA or attention-free: no attention backend to compare
         return None
     config = configs[0]  # vLLM-CPU answers CPU_ATTN for every attention type
-    with set_current_vllm_config(vllm_config), _recording() as lookups:
-        try:
-            path = current_platform.get_attn_backend_cls(backend, attn_selector_config=config)
-        except Exception:  # the platform refuses: vLLM (or the start-up check) says so
-            return None
-    mine = [(side, member) for side, member, answered in lookups if answered == path]
-    return mine[-1] if mine else None
+    try:
+        choice = platform_choice(vllm_config, config, backend)
+    except AttnDIError:  # the start-up check raises it, after this check
+        return None
+    return None if choice is None else choice[2]
 
 
 def _bridge_missing() -> tuple[str, str] | None:
