@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import pytest
+from pytest_mock import MockerFixture
 
 from attn_di.backend import AttentionImpl
 from attn_di.conformance import ConformanceReport, Outcome, run_conformance
@@ -137,3 +138,26 @@ def test_the_report_renders_as_json_and_markdown() -> None:
     assert "| feature | declared | cells |" in markdown
     assert f"rerun: `{data['results'][1]['rerun']}`" in markdown
     assert "| odd_head_size | no | 1 | 0 | 0 | 0 | 0 | 1 | 0 |" in markdown
+
+
+def test_threads_outside_the_contract_are_refused_without_running(mocker: MockerFixture) -> None:
+    """A driver that does not declare concurrent calls (vLLM's, say) gets its threads cell
+    refused with its reason and never run: a race cannot be refused with an error, and one
+    that is run gives a different answer each time."""
+    from attn_di.conformance._driver import InterfaceDriver
+
+    reason = "one forward at a time per process"
+    original = InterfaceDriver.reasons
+    mocker.patch.object(
+        InterfaceDriver,
+        "reasons",
+        lambda self, case: [*original(self, case), *([reason] if case.check == "threads" else [])],
+    )
+    make_impl = mocker.spy(InterfaceDriver, "make_impl")
+    threads, alone = "bf16-gqa2-mixed-len60-block16-threads", "bf16-gqa2-mixed-len60-block16"
+    report = run_conformance(kit.ReferenceBackend, case_ids=[threads, alone])
+    assert _outcomes(report) == {threads: Outcome.REFUSED, alone: Outcome.PASS}
+    assert report.results[0].reason == f"REFERENCE_TEST: {reason} (not run)"
+    assert not report.results[0].declared
+    assert make_impl.call_count == 1  # the numerics cell only
+    assert report.ok

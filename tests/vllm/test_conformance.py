@@ -163,3 +163,19 @@ def test_malformed_inputs_are_not_validated(report: ConformanceReport) -> None:
         result = by_id[prefix + what]
         assert result.outcome is Outcome.FAIL
         assert result.reason == f"accepted a malformed input ({what}) without an error"
+
+
+def test_two_threads_at_once_are_refused_as_outside_vllm_s_contract(
+    report: ConformanceReport,
+) -> None:
+    """vLLM runs one forward at a time per process and its CPU op shares one scratchpad per
+    process: the threads cells are refused, not run (a race gives a different table each run)."""
+    threads = [r for r in report.results if r.case.check == "threads"]
+    assert len(threads) == 2
+    for result in threads:
+        assert result.outcome is Outcome.REFUSED
+        assert not result.declared
+        assert result.reason is not None
+        assert "outside vLLM's contract" in result.reason
+        assert "ScratchPadManager" in result.reason
+        assert result.reason.endswith("(not run)")

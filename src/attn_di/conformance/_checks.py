@@ -26,7 +26,7 @@ __all__ = ["CHECKS", "Raised", "Verdict", "bad_input", "expected"]
 
 _T = TypeVar("_T")
 _MESSAGE_CHARS = 300
-_THREAD_ROUNDS = 3
+_THREAD_ROUNDS = 16
 
 
 class Raised(Exception):
@@ -294,7 +294,7 @@ def batch_invariance(driver: Driver, case: Case, seed: int, caps: Capabilities) 
 
 def threads(driver: Driver, case: Case, seed: int, caps: Capabilities) -> Verdict:
     """Two threads calling one impl's ``forward`` at once, each on its own batch and cache,
-    a few times: every output and cache correct."""
+    16 times: every output and cache correct."""
     problems = [make_problem(case, seed), make_problem(case.with_(), seed + 1)]
     impl = _attempt("constructing the impl", driver.make_impl, problems[0])
     bounds = [_attempt("binding the batch", driver.bind, impl, p) for p in problems]

@@ -335,6 +335,16 @@ def run_in_process(driver: Driver, case: Case, seed: int, rerun: str) -> CellRes
     started = time.perf_counter()
     reasons = driver.reasons(case)
     declared = not reasons
+    if case.check == "threads" and not declared:
+        # A race cannot be refused with an error: concurrency outside the contract is not run.
+        return CellResult(
+            case=case,
+            outcome=Outcome.REFUSED,
+            declared=False,
+            reason=f"{driver.backend_name}: {'; '.join(reasons)} (not run)",
+            rerun=rerun,
+            seconds=time.perf_counter() - started,
+        )
     try:
         if case.check == "bad_input":
             verdict = _checks.bad_input(driver, case, seed)

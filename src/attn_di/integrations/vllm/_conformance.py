@@ -66,7 +66,7 @@ import torch
 from attn_di.conformance import BoundBatch, Capabilities, Driver
 from attn_di.exceptions import InvalidBackendTypeError, InvalidInputError
 
-__all__ = ["NAN_TAILS_REASON", "VLLM_BACKEND_BASE", "VllmDriver"]
+__all__ = ["NAN_TAILS_REASON", "ONE_FORWARD_AT_A_TIME_REASON", "VLLM_BACKEND_BASE", "VllmDriver"]
 
 VLLM_BACKEND_BASE = "vllm.v1.attention.backend:AttentionBackend"
 """The class path of vLLM's backend base class: the kit picks :class:`VllmDriver` for its
@@ -88,6 +88,14 @@ NAN_TAILS_REASON = (
     "engine zero-fills the KV cache and reuses blocks with their stale, finite keys and values"
 )
 """Why a cache cell with the kit's NaN tails is not declared (see the module docstring)."""
+
+
+ONE_FORWARD_AT_A_TIME_REASON = (
+    "two threads calling forward at once are outside vLLM's contract: a vLLM process runs one "
+    "layer's forward at a time (vLLM's CPU op keeps one scratchpad per process, "
+    "cpu_utils::ScratchPadManager, and gives wrong or non-finite outputs when two threads share it)"
+)
+"""Why the vLLM driver does not run the ``threads`` cells (reported as refused with this)."""
 
 
 class VllmDriver(Driver):
@@ -212,6 +220,8 @@ class VllmDriver(Driver):
             reasons.append(f"logits soft cap refused by the impl ({self._refused['softcap']})")
         if case.uses_cache and not case.finite_tails:
             reasons.append(NAN_TAILS_REASON)
+        if case.check == "threads":
+            reasons.append(ONE_FORWARD_AT_A_TIME_REASON)
         return reasons
 
     # -- one cell -----------------------------------------------------------------------
