@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pytest_mock import MockerFixture
 
 from attn_di.backend import AttentionMetadata
 from attn_di.backends import _cpu_kernel, cpu_attn
@@ -86,7 +88,7 @@ def kernel_cases(draw: st.DrawFn) -> KernelCase:
     opts = Options(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_size=draw(st.sampled_from([8, 40, 64, 72, 80, 128, 256])),
+        head_size=draw(st.sampled_from([7, 8, 40, 64, 72, 80, 96, 128, 256])),
         sliding_window=draw(st.none() | st.integers(1, 64)),
         logits_soft_cap=draw(st.none() | st.floats(2.0, 30.0)),
         alibi_slopes=draw(st.none() | st.just([2.0 ** -(h + 1) for h in range(num_heads)])),
@@ -245,12 +247,78 @@ def test_kernel_rejects_blocks_outside_the_cache() -> None:
            0.1, 0, 0.0)  # fmt: skip
 
 
+def _linux_cpu_flags() -> set[str]:
+    """The CPU's flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+@requires_kernel
+def test_kernel_status_says_how_bfloat16_is_computed() -> None:
+    """kernel_status().bfloat16 names the decode kernel's dot products and the prefill
+    kernel's GEMMs this build and CPU use (AVX512_BF16 only in that build)."""
+    status = _cpu_kernel.kernel_status()
+    assert status.bfloat16 is not None
+    decode, prefill = status.bfloat16.split("; ")
+    if status.isa == "avx512_bf16":
+        assert decode == "decode: AVX512_BF16 dot products"
+    else:
+        assert decode == "decode: float32 FMA on converted rows"
+    assert prefill in (
+        "prefill: AMX tile GEMMs (oneDNN)",
+        "prefill: float32 GEMMs on converted tiles",
+    )
+
+
+def test_the_best_build_follows_torch_and_the_cpu_flags(mocker: MockerFixture) -> None:
+    """AVX512_BF16 where torch dispatches to AVX-512 and the CPU reports avx512_bf16; torch's
+    own set otherwise (ATEN_CPU_CAPABILITY=avx2 gives avx2 on any CPU)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the x86 builds")
+    for capability, flags, best in (
+        ("AVX512", {"avx512f", "avx512_bf16"}, "avx512_bf16"),
+        ("AVX512", {"avx512f"}, "avx512"),
+        ("AVX2", {"avx512f", "avx512_bf16"}, "avx2"),
+        ("DEFAULT", {"avx512_bf16"}, "default"),
+    ):
+        mocker.patch.object(torch.backends.cpu, "get_cpu_capability", return_value=capability)
+        mocker.patch.object(_cpu_kernel, "_cpu_flags", return_value=frozenset(flags))
+        assert _cpu_kernel._best_isa() == best
+
+
+def test_a_forced_build_must_be_one_this_cpu_runs(
+    mocker: MockerFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ATTN_DI_CPU_KERNEL_ISA picks a build this CPU runs; a misspelt one or one the CPU does
+    not run is an InvalidInputError naming the runnable builds (and the closest)."""
+    mocker.patch.object(_cpu_kernel, "_best_isa", return_value="avx512")
+    monkeypatch.setenv(_cpu_kernel.ENV_ISA, " AVX2 ")
+    assert _cpu_kernel._native_isa() == "avx2"
+    monkeypatch.setenv(_cpu_kernel.ENV_ISA, "avx51")
+    with pytest.raises(InvalidInputError) as misspelt:
+        _cpu_kernel._native_isa()
+    assert misspelt.value.argument == "ATTN_DI_CPU_KERNEL_ISA"
+    assert "not a build; the builds this CPU runs: avx512, avx2, default" in str(misspelt.value)
+    assert "did you mean 'avx512'?" in str(misspelt.value)
+    monkeypatch.setenv(_cpu_kernel.ENV_ISA, "avx512_bf16")
+    with pytest.raises(InvalidInputError, match="which this CPU does not run"):
+        _cpu_kernel._native_isa()
+    monkeypatch.setenv(_cpu_kernel.ENV_ISA, "")
+    assert _cpu_kernel._native_isa() == "avx512"
+
+
 @requires_kernel
 def test_kernel_is_built_for_torchs_instruction_set() -> None:
     """The loaded build targets what torch dispatches to on this CPU (never -march=native)."""
     status = _cpu_kernel.kernel_status()
     capability = torch.backends.cpu.get_cpu_capability().lower()
     expected = capability if capability in ("avx2", "avx512") else "default"
+    if expected == "avx512" and "avx512_bf16" in _linux_cpu_flags():
+        expected = "avx512_bf16"
 
     assert status.isa == expected
     assert torch.ops.attn_di.isa() == expected

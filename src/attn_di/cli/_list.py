@@ -13,7 +13,13 @@ from attn_di._plugins import PluginRecord, plugin_report
 from attn_di.cli._output import TABLE_WIDTH, print_json, print_table
 from attn_di.exceptions import AttnDIError, BackendImportError, BackendNotRegisteredError
 
-__all__ = ["describe_cpu_attn_decode", "describe_members", "describe_plugins", "run_list"]
+__all__ = [
+    "describe_cpu_attn_bfloat16",
+    "describe_cpu_attn_decode",
+    "describe_members",
+    "describe_plugins",
+    "run_list",
+]
 
 
 def describe_members(family: BackendFamily | None = None) -> list[dict[str, Any]]:
@@ -70,6 +76,7 @@ def run_list(args: argparse.Namespace) -> int:
     plugins = describe_plugins()
     missing = list(plugin_report().missing)
     cpu_attn_decode = describe_cpu_attn_decode()
+    cpu_attn_bfloat16 = describe_cpu_attn_bfloat16()
     if args.json:
         output: dict[str, Any] = {
             ("members" if index == 0 else f"{family.key}_members"): records
@@ -81,6 +88,7 @@ def run_list(args: argparse.Namespace) -> int:
                 "plugins": plugins,
                 "missing_plugins": missing,
                 "cpu_attn_decode": cpu_attn_decode,
+                "cpu_attn_bfloat16": cpu_attn_bfloat16,
             }
         )
         return 0
@@ -107,6 +115,8 @@ def run_list(args: argparse.Namespace) -> int:
         print(f"({VLLM_PREFIX_SHOWN} = {VLLM_PREFIX}; whole paths and errors: attn-di list --wide)")
     if cpu_attn_decode:
         print(f"CPU_ATTN runs: {cpu_attn_decode}")
+    if cpu_attn_bfloat16:
+        print(f"CPU_ATTN bfloat16: {cpu_attn_bfloat16}")
     shown = [plugin for plugin in plugins if plugin["status"] != "skipped"]
     if len(shown) < len(plugins):
         print(f"{len(plugins) - len(shown)} installed plugin(s) not loaded: not in ATTN_DI_PLUGINS")
@@ -143,6 +153,20 @@ def describe_cpu_attn_decode() -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return _cpu_kernel.kernel_status().describe()
+    except ImportError:
+        return None
+
+
+def describe_cpu_attn_bfloat16() -> str | None:
+    """How CPU_ATTN's compiled kernels compute bfloat16 here (the decode scores: AVX512_BF16
+    dot products or float32 FMA; the prefill GEMMs: AMX tiles or float32), or None when torch
+    is not installed or the kernels are not used."""
+    try:
+        from attn_di.backends import _cpu_kernel
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _cpu_kernel.kernel_status().bfloat16
     except ImportError:
         return None
 

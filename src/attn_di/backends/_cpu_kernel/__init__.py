@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from attn_di._env import Switch
-from attn_di.exceptions import KernelUnavailableWarning
+from attn_di.exceptions import InvalidInputError, KernelUnavailableWarning, closest_name
 
 try:
     import fcntl
@@ -60,6 +60,7 @@ except ImportError:  # pragma: no cover - Windows: builds are still published at
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
+    "ENV_ISA",
     "ENV_SWITCH",
     "ISAS",
     "KERNEL_SWITCH",
@@ -88,6 +89,9 @@ _SOURCES = tuple(_DIRECTORY / name for name in ("paged_attention.cpp", "prefill.
 _COMMON_FLAGS = ("-O3", "-fopenmp")
 # Flags per torch CPU capability, as torch compiles its own kernels for each (x86-64 only).
 _ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512_bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+                    "-mavx512bf16", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
+                    "-DATTN_DI_AVX512_BF16"),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"),
     "avx2": ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"),
@@ -95,6 +99,10 @@ _ISA_FLAGS: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 #: The instruction sets a build can target.
 ISAS = tuple(_ISA_FLAGS)
+#: The builds from best to most portable: a CPU that runs one runs every later one.
+_ISA_ORDER = ("avx512_bf16", "avx512", "avx2", "default")
+#: Forces a build this CPU runs (one of :data:`ISAS`); unset: the best (``_best_isa``).
+ENV_ISA = "ATTN_DI_CPU_KERNEL_ISA"
 
 
 @dataclass(frozen=True)
@@ -103,16 +111,21 @@ class KernelStatus:
 
     Attributes:
         active: whether the compiled decode and prefill kernels are loaded and used.
-        isa: the instruction set the kernel was built for (``avx512``, ``avx2``,
-            ``default``), or None when inactive.
+        isa: the instruction set the kernel was built for (``avx512_bf16``: AVX-512 with
+            its bfloat16 dot products; ``avx512``, ``avx2``, ``default``), or None when
+            inactive. The best this CPU runs unless ``ATTN_DI_CPU_KERNEL_ISA`` names another.
         reason: one line: where the library came from, or why it is not used.
         library: the loaded shared library, or None.
+        bfloat16: how bfloat16 attention is computed on this CPU (the decode kernel's scores,
+            the prefill kernel's GEMMs: AMX tiles where torch's oneDNN has them), or None
+            when inactive.
     """
 
     active: bool
     isa: str | None
     reason: str
     library: str | None = None
+    bfloat16: str | None = None
 
     def describe(self) -> str:
         """One line for people: ``compiled decode and prefill kernels (avx512)`` or ``pure
@@ -149,6 +162,7 @@ def kernel_status() -> KernelStatus:
             spelled = KERNEL_SWITCH.spelling()
             _STATUS = KernelStatus(False, None, f"switched off ({ENV_SWITCH}={spelled})")
             return _STATUS
+        _native_isa()  # a malformed ATTN_DI_CPU_KERNEL_ISA is the user's error, not a fallback
         try:
             library, isa = _load()
             import torch
@@ -160,7 +174,9 @@ def kernel_status() -> KernelStatus:
                 if library is not None
                 else "registered in this process before attn_di loaded it (library unknown)"
             )
-            _STATUS = KernelStatus(True, isa, where, None if library is None else str(library))
+            _STATUS = KernelStatus(
+                True, isa, where, None if library is None else str(library), _bf16_paths()
+            )
         except Exception as exc:  # any failure means: fall back, and say why
             reason = _one_line(exc)
             _STATUS = KernelStatus(False, None, reason)
@@ -540,14 +556,72 @@ def _running_isa(fallback: str) -> str:
         return fallback
 
 
+def _bf16_paths() -> str | None:
+    """``torch.ops.attn_di.bf16_paths()`` (None from a library built before it existed)."""
+    import torch
+
+    try:
+        return str(torch.ops.attn_di.bf16_paths())
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _native_isa() -> str:
-    """``avx512`` / ``avx2`` as torch's own dispatch on this CPU, else ``default``."""
+    """The build this process loads: ``ATTN_DI_CPU_KERNEL_ISA`` where set, else the best this
+    CPU runs (:func:`_best_isa`).
+
+    Raises:
+        InvalidInputError: ``ATTN_DI_CPU_KERNEL_ISA`` names no build, or one this CPU (or
+            torch's dispatch, ``ATEN_CPU_CAPABILITY``) does not run.
+    """
+    best = _best_isa()
+    raw = os.environ.get(ENV_ISA) or ""  # a choice among builds, not an on/off switch
+    forced = raw.strip().lower()
+    if not forced:
+        return best
+    runnable = _ISA_ORDER[_ISA_ORDER.index(best) :]
+    if forced not in runnable:
+        known = forced in _ISA_ORDER
+        suggestion = None if known else closest_name(forced, sorted(runnable, key=len))
+        raise InvalidInputError(
+            ENV_ISA,
+            f"is {forced!r}, "
+            + ("which this CPU does not run" if known else "not a build")
+            + f"; the builds this CPU runs: {', '.join(runnable)}",
+            hint=(f"did you mean {suggestion!r}? " if suggestion else "")
+            + f"unset {ENV_ISA} for the best one ({best})",
+        )
+    return forced
+
+
+def _best_isa() -> str:
+    """``avx512_bf16`` where torch dispatches to AVX-512 and the CPU has AVX512_BF16, else
+    ``avx512`` / ``avx2`` as torch's own dispatch on this CPU, else ``default``."""
     import torch
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "default"
     capability = torch.backends.cpu.get_cpu_capability().lower()
+    if capability == "avx512" and "avx512_bf16" in _cpu_flags():
+        return "avx512_bf16"
     return capability if capability in ("avx512", "avx2") else "default"
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (``/proc/cpuinfo``); empty elsewhere,
+    where the AVX512_BF16 build is never chosen by itself (set ``ATTN_DI_CPU_KERNEL_ISA``)."""
+    global _FLAGS
+    if _FLAGS is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            text = ""
+        line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        _FLAGS = frozenset(line.partition(":")[2].split())
+    return _FLAGS
+
+
+_FLAGS: frozenset[str] | None = None
 
 
 def _flags(isa: str) -> tuple[str, ...]:

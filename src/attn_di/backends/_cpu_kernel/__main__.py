@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"hint: {exc.hint}", file=sys.stderr)
             return 2
         print(f"CPU_ATTN runs: {status.describe()}")
+        if status.bfloat16:
+            print(f"CPU_ATTN bfloat16: {status.bfloat16}")
         return 0
     start = time.perf_counter()
     try:

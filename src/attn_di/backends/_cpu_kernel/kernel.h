@@ -139,4 +139,8 @@ void run_prefill(const at::Tensor& query, const at::Tensor& key_cache,
                  at::Tensor& out, const Options& o, bool causal,
                  const std::vector<PrefillSeq>& seqs);
 
+// Whether the prefill kernel's bfloat16 GEMMs run natively here (AMX tiles through oneDNN's
+// batch-reduce GEMM, VNNI-packed B); prefill.cpp.
+bool native_bf16_gemm();
+
 }  // namespace attn_di_kernel

@@ -52,6 +52,8 @@ constexpr int64_t kScoreBudget = 64 * 1024;
 // Fewest keys per partition: below this the merge and the per-item set-up dominate.
 constexpr int64_t kMinPartition = 256;
 
+// Tokens per tile: rows whose pointers are resolved together and read register-blocked.
+constexpr int64_t kTile = 16;
 // Longest query (tokens per sequence) the decode kernel takes; longer ones, and non-causal
 // queries of more than one token, go to the prefill kernel (prefill.cpp).
 constexpr int64_t kDecodeMaxQuery = 16;
@@ -212,6 +214,133 @@ inline void score_tile(const T* const* k, int64_t nt, const float* q, int64_t si
   }
 }
 
+#if defined(ATTN_DI_AVX512_BF16)
+// Scores of NR bfloat16 query rows (unscaled, stride `size`) against the keys of `nt`
+// bfloat16 token rows (pointers already at the KV head), times `scale`: out[t * out_stride
+// + r]. AVX512_BF16's VDPBF16PS multiplies 32 bfloat16 pairs (each product exact in float32)
+// and adds them pairwise into 16 float32 lanes, so the cache rows are read as they are,
+// without a conversion; accumulation is float32. The last size % 32 values are loaded
+// masked (zeros beyond the head), so any head size works.
+template <int NR>
+inline void score_tile_bf16(const c10::BFloat16* const* k, int64_t nt, const c10::BFloat16* q,
+                            int64_t size, float scale, float* out, int64_t out_stride) {
+  constexpr int64_t kPair = 32;  // bfloat16 values per vector
+  const int64_t full = size / kPair * kPair;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (size - full)) - 1);
+  auto load = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  auto load_tail = [tail](const c10::BFloat16* p) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(tail, p);
+  };
+  auto emit = [&](const __m512* a, float* o) {
+    float sums[4];
+    if constexpr (NR == 4) {
+      reduce4(fVec(a[0]), fVec(a[1]), fVec(a[2]), fVec(a[3]), sums);
+    } else {
+      for (int r = 0; r < NR; ++r) sums[r] = _mm512_reduce_add_ps(a[r]);
+    }
+    for (int r = 0; r < NR; ++r) o[r] = sums[r] * scale;
+  };
+  int64_t t = 0;
+  for (; t + 2 <= nt; t += 2) {
+    __m512 a0[NR], a1[NR];
+    for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    const c10::BFloat16* k0 = k[t];
+    const c10::BFloat16* k1 = k[t + 1];
+    for (int64_t d = 0; d < full; d += kPair) {
+      const __m512bh x0 = load(k0 + d), x1 = load(k1 + d);
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh qv = load(q + r * size + d);
+        a0[r] = _mm512_dpbf16_ps(a0[r], qv, x0);
+        a1[r] = _mm512_dpbf16_ps(a1[r], qv, x1);
+      }
+    }
+    if (tail != 0) {
+      const __m512bh x0 = load_tail(k0 + full), x1 = load_tail(k1 + full);
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh qv = load_tail(q + r * size + full);
+        a0[r] = _mm512_dpbf16_ps(a0[r], qv, x0);
+        a1[r] = _mm512_dpbf16_ps(a1[r], qv, x1);
+      }
+    }
+    emit(a0, out + t * out_stride);
+    emit(a1, out + (t + 1) * out_stride);
+  }
+  for (; t < nt; ++t) {
+    __m512 a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < full; d += kPair) {
+      const __m512bh x = load(k[t] + d);
+      for (int r = 0; r < NR; ++r) a[r] = _mm512_dpbf16_ps(a[r], load(q + r * size + d), x);
+    }
+    if (tail != 0) {
+      const __m512bh x = load_tail(k[t] + full);
+      for (int r = 0; r < NR; ++r)
+        a[r] = _mm512_dpbf16_ps(a[r], load_tail(q + r * size + full), x);
+    }
+    emit(a, out + t * out_stride);
+  }
+}
+
+// acc[r] += sum_t bf16(p[t * p_stride + r]) * v_t for NR float32 accumulator rows (stride
+// `size`) and `nt` bfloat16 token rows (pointers already at the KV head), with VDPBF16PS on
+// token pairs: two rows interleaved (VPERMT2W: v_t[d], v_t+1[d] adjacent) meet the pair of
+// their probabilities broadcast, so each lane d adds p_t v_t[d] + p_t+1 v_t+1[d] in float32.
+// The probabilities are rounded to bfloat16 (relative error <= 2^-9, as in a bfloat16 GEMM
+// of P V); the softmax's sums and the accumulators stay float32. An odd last token pairs with
+// a zero row and probability.
+template <int NR>
+inline void value_tile_bf16(const c10::BFloat16* const* v, int64_t nt, const float* p,
+                            int64_t p_stride, float* acc, int64_t size) {
+  constexpr int64_t kChunk = 32;  // values of D per pass: two float32 accumulators per row
+  const int64_t pairs = (nt + 1) / 2;
+  uint32_t packed[kTile / 2][NR];  // (bf16(p_t), bf16(p_t+1)) per pair and row
+  for (int64_t u = 0; u < pairs; ++u)
+    for (int r = 0; r < NR; ++r) {
+      const uint32_t lo = c10::BFloat16(p[2 * u * p_stride + r]).x;
+      const uint32_t hi = 2 * u + 1 < nt ? c10::BFloat16(p[(2 * u + 1) * p_stride + r]).x : 0u;
+      packed[u][r] = lo | (hi << 16);
+    }
+  // Word i of the first interleave is a[i / 2] (even i) or b[i / 2] (odd i); of the second,
+  // the same 16 values on (index bit 5 picks b).
+  alignas(64) static const uint16_t kLow[32] = {
+      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {
+      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t d = 0; d < size; d += kChunk) {
+    const int64_t rest = std::min<int64_t>(kChunk, size - d);
+    const __mmask32 words = static_cast<__mmask32>((uint64_t{1} << rest) - 1);
+    const __mmask16 first = static_cast<__mmask16>(words & 0xFFFF), second = static_cast<__mmask16>(words >> 16);
+    __m512 a[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      a[r][0] = _mm512_maskz_loadu_ps(first, acc + r * size + d);
+      a[r][1] = _mm512_maskz_loadu_ps(second, acc + r * size + d + 16);
+    }
+    for (int64_t u = 0; u < pairs; ++u) {
+      const __m512i x = _mm512_maskz_loadu_epi16(words, v[2 * u] + d);
+      const __m512i y = 2 * u + 1 < nt ? _mm512_maskz_loadu_epi16(words, v[2 * u + 1] + d)
+                                       : _mm512_setzero_si512();
+      const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(x, low, y);
+      const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(x, high, y);
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[u][r]));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], lo, pr);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], hi, pr);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm512_mask_storeu_ps(acc + r * size + d, first, a[r][0]);
+      _mm512_mask_storeu_ps(acc + r * size + d + 16, second, a[r][1]);
+    }
+  }
+}
+constexpr bool kNativeBf16Dot = true;
+#else
+constexpr bool kNativeBf16Dot = false;
+#endif
+
 // acc[r] += sum_t p[t * p_stride + r] * v_t for NR accumulator rows (stride D) and `nt`
 // token rows (pointers already at the KV head); two vectors of D per pass, kept in registers.
 template <typename T, int NR>
@@ -319,13 +448,12 @@ inline void for_head_groups(int64_t G, F&& f) {
   }
 }
 
-// Tokens per tile: rows whose pointers are resolved together and read register-blocked.
-constexpr int64_t kTile = 16;
 
 // Per-thread scratch, kept by each thread of the pool across calls (a decode step's calls are
 // short: allocating per call would cost as much as the work), grown as needed.
 struct Scratch {
   std::vector<float> queries, scores, acc, key_row, value_row, pattern, row_max, row_sum, stage;
+  std::vector<c10::BFloat16> raw_queries;  // bfloat16 queries as given, for score_tile_bf16
   const float* staged[kTile];  // rows of `stage`, as score_tile / value_tile take them
 
   static Scratch& of_this_thread() {
@@ -436,12 +564,16 @@ struct Kernel {
     float* q = sc.queries.data();
     float* scores = sc.scores.data();
     float* acc = sc.acc.data();
-    // Scaled float32 queries, [q_len, H, D].
+    // Scaled float32 queries, [q_len, H, D] (and, for the bfloat16 dot products, the
+    // queries as given, unscaled: scaling in bfloat16 would round them).
+    constexpr bool kBf16Dot = kNativeBf16Dot && std::is_same_v<T, c10::BFloat16>;
+    if constexpr (kBf16Dot) sc.raw_queries.resize(rows * D);
     for (int64_t i = 0; i < s.q_len; ++i)
       for (int64_t h = 0; h < H; ++h) {
         const T* src = query + (s.first_query + i) * q_stride0 + h * q_stride1;
         float* dst = q + (i * H + h) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * o.scale;
+        if constexpr (kBf16Dot) std::copy(src, src + D, sc.raw_queries.data() + (i * H + h) * D);
       }
     // Pass 1: scores, token-major (scores[j * rows + r]); the query rows that may see key j
     // are one contiguous range [r_lo, r_hi), the others hold -inf (never computed). Keys go
@@ -469,6 +601,21 @@ struct Kernel {
       if (full_tile(s, o, item.start + j0, nt)) {
         for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(keys, s, item.seq, item.start + j0 + t);
         for (int64_t g = 0; g < o.kv_heads; ++g) {
+#if defined(ATTN_DI_AVX512_BF16)
+          if constexpr (kBf16Dot) {
+            const T* heads[kTile];
+            for (int64_t t = 0; t < nt; ++t) heads[t] = tile_rows[t] + g * keys.head_stride;
+            for (int64_t i = 0; i < s.q_len; ++i) {
+              const int64_t r0 = i * H + g * G;
+              float* out = scores + j0 * rows + r0;
+              for_head_groups(G, [&](auto nr, int64_t h) {
+                score_tile_bf16<decltype(nr)::value>(heads, nt, sc.raw_queries.data() + (r0 + h) * D,
+                                                     D, o.scale, out + h, rows);
+              });
+            }
+            continue;
+          }
+#endif
           const float* const* staged = head_tile(tile_rows, nt, g * keys.head_stride, D, sc);
           for (int64_t i = 0; i < s.q_len; ++i) {
             const int64_t r0 = i * H + g * G;
@@ -518,6 +665,20 @@ struct Kernel {
       if (full_tile(s, o, item.start + j0, nt)) {
         for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(values, s, item.seq, item.start + j0 + t);
         for (int64_t g = 0; g < o.kv_heads; ++g) {
+#if defined(ATTN_DI_AVX512_BF16)
+          if constexpr (kBf16Dot) {
+            const T* heads[kTile];
+            for (int64_t t = 0; t < nt; ++t) heads[t] = tile_rows[t] + g * values.head_stride;
+            for (int64_t i = 0; i < s.q_len; ++i) {
+              const int64_t r0 = i * H + g * G;
+              const float* pj = scores + j0 * rows + r0;
+              for_head_groups(G, [&](auto nr, int64_t h) {
+                value_tile_bf16<decltype(nr)::value>(heads, nt, pj + h, rows, acc + (r0 + h) * D, D);
+              });
+            }
+            continue;
+          }
+#endif
           const float* const* staged = head_tile(tile_rows, nt, g * values.head_stride, D, sc);
           for (int64_t i = 0; i < s.q_len; ++i) {
             const int64_t r0 = i * H + g * G;
@@ -1080,6 +1241,15 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 
 std::string isa() { return ATTN_DI_STRINGIFY(ATTN_DI_KERNEL_ISA); }
 
+// How this build computes bfloat16 attention on this CPU, for kernel_status().
+std::string bf16_paths() {
+  std::string decode = kNativeBf16Dot ? "decode: AVX512_BF16 dot products"
+                                      : "decode: float32 FMA on converted rows";
+  std::string prefill = native_bf16_gemm() ? "prefill: AMX tile GEMMs (oneDNN)"
+                                           : "prefill: float32 GEMMs on converted tiles";
+  return decode + "; " + prefill;
+}
+
 }  // namespace attn_di_kernel
 
 TORCH_LIBRARY(attn_di, m) {
@@ -1091,6 +1261,7 @@ TORCH_LIBRARY(attn_di, m) {
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   m.def("isa() -> str", &attn_di_kernel::isa);
+  m.def("bf16_paths() -> str", &attn_di_kernel::bf16_paths);
 }
 
 TORCH_LIBRARY_IMPL(attn_di, CPU, m) {

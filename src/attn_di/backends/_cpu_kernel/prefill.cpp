@@ -594,4 +594,6 @@ void run_prefill(const at::Tensor& query, const at::Tensor& key_cache,
   }
 }
 
+bool native_bf16_gemm() { return native_reduced_gemm<c10::BFloat16>(); }
+
 }  // namespace attn_di_kernel
