@@ -357,7 +357,7 @@ def test_build_failure_falls_back_with_one_warning(
 ) -> None:
     """A kernel that cannot be built: one KernelUnavailableWarning, then exact torch results."""
 
-    def fail() -> None:
+    def fail(isa: str) -> None:
         raise RuntimeError("Error building extension 'attn_di_cpu' (simulated)")
 
     monkeypatch.setattr(_cpu_kernel, "_load", fail)

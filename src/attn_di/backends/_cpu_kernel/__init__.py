@@ -162,9 +162,10 @@ def kernel_status() -> KernelStatus:
             spelled = KERNEL_SWITCH.spelling()
             _STATUS = KernelStatus(False, None, f"switched off ({ENV_SWITCH}={spelled})")
             return _STATUS
-        _native_isa()  # a malformed ATTN_DI_CPU_KERNEL_ISA is the user's error, not a fallback
+        # A malformed ATTN_DI_CPU_KERNEL_ISA is the user's error (raised), not a fallback.
+        wanted = _native_isa()
         try:
-            library, isa = _load()
+            library, isa = _load(wanted)
             import torch
 
             _OP = torch.ops.attn_di.paged_attention
@@ -489,8 +490,8 @@ def _ninja_dir() -> str:
         return sysconfig.get_path("scripts")
 
 
-def _load() -> tuple[Path | None, str]:
-    """Load this CPU's build (building it first if missing); ``(library, isa)`` of the
+def _load(isa: str) -> tuple[Path | None, str]:
+    """Load the build ``isa`` (building it first if missing); ``(library, isa)`` of the
     library whose operators are registered in this process (None if not known: something
     else registered them before), and the instruction set they were built for.
 
@@ -498,7 +499,6 @@ def _load() -> tuple[Path | None, str]:
     process cannot replace it between the check and the ``dlopen``. Loading a verified build
     writes nothing (a read-only cache is used as it is).
     """
-    isa = _native_isa()
     name, directory = _build_dir(isa)
     library = directory / f"{name}.so"
     loaded: Path | None = None
