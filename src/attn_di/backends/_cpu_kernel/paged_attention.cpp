@@ -158,43 +158,59 @@ inline void reduce4(const fVec& a0, const fVec& a1, const fVec& a2, const fVec& 
 #endif
 }
 
+// sums[i] = the horizontal sum of a[i], i < N, four vectors at a time (reduce4: one shuffle
+// tree for four sums); the last N % 4 with zero vectors beside them.
+template <int N>
+inline void reduce_n(const fVec* a, float* sums) {
+  int i = 0;
+  for (; i + 4 <= N; i += 4) reduce4(a[i], a[i + 1], a[i + 2], a[i + 3], sums + i);
+  if constexpr (N % 4 != 0) {
+    const fVec zero(0.f);
+    float rest[4];
+    reduce4(a[i], N % 4 > 1 ? a[i + 1] : zero, N % 4 > 2 ? a[i + 2] : zero, zero, rest);
+    for (int k = 0; k < N % 4; ++k) sums[i + k] = rest[k];
+  }
+}
+
+// Tokens a score tile takes per step for NR query rows: 4 where the 4 x NR accumulators fit in
+// 12 registers, else 2. Each step ends in ceil(U x NR / 4) reduce4 trees: one horizontal sum
+// per (token, row) pair costs ~3.5 instructions instead of ~9 (SmolLM2's 3 rows of D = 64:
+// the sums were most of a decode's score time, measured with perf).
+template <int NR>
+constexpr int kScoreUnroll = NR * 4 <= 12 ? 4 : 2;
+
 // Scores of NR query rows (q, stride D) against the keys of `nt` token rows (pointers already
-// at the KV head), two tokens at a time: out[t * out_stride + r].
+// at the KV head), kScoreUnroll<NR> tokens at a time: out[t * out_stride + r].
 template <typename T, int NR>
 inline void score_tile(const T* const* k, int64_t nt, const float* q, int64_t size, float* out,
                        int64_t out_stride) {
+  constexpr int U = kScoreUnroll<NR>;
+  float sums[U * NR];
   int64_t t = 0;
-  for (; t + 2 <= nt; t += 2) {
-    fVec a[2][NR];
-    for (int r = 0; r < NR; ++r) a[0][r] = a[1][r] = fVec(0.f);
-    const T* k0 = k[t];
-    const T* k1 = k[t + 1];
+  for (; t + U <= nt; t += U) {
+    fVec a[U * NR];  // a[u * NR + r]: token t + u, row r
+    for (int i = 0; i < U * NR; ++i) a[i] = fVec(0.f);
     int64_t d = 0;
     for (; d + kLanes <= size; d += kLanes) {
-      const fVec x0 = load_f<T>(k0 + d), x1 = load_f<T>(k1 + d);
+      fVec x[U];
+      for (int u = 0; u < U; ++u) x[u] = load_f<T>(k[t + u] + d);
       for (int r = 0; r < NR; ++r) {
         const fVec qv = fVec::loadu(q + r * size + d);
-        a[0][r] = at::vec::fmadd(qv, x0, a[0][r]);
-        a[1][r] = at::vec::fmadd(qv, x1, a[1][r]);
+        for (int u = 0; u < U; ++u) a[u * NR + r] = at::vec::fmadd(qv, x[u], a[u * NR + r]);
       }
     }
     if (d < size) {
       const int64_t rest = size - d;
-      const fVec x0 = load_f<T>(k0 + d, rest), x1 = load_f<T>(k1 + d, rest);
+      fVec x[U];
+      for (int u = 0; u < U; ++u) x[u] = load_f<T>(k[t + u] + d, rest);
       for (int r = 0; r < NR; ++r) {
         const fVec qv = fVec::loadu(q + r * size + d, rest);
-        a[0][r] = at::vec::fmadd(qv, x0, a[0][r]);
-        a[1][r] = at::vec::fmadd(qv, x1, a[1][r]);
+        for (int u = 0; u < U; ++u) a[u * NR + r] = at::vec::fmadd(qv, x[u], a[u * NR + r]);
       }
     }
-    for (int u = 0; u < 2; ++u) {
-      float* o = out + (t + u) * out_stride;
-      if constexpr (NR == 4) {
-        reduce4(a[u][0], a[u][1], a[u][2], a[u][3], o);
-      } else {
-        for (int r = 0; r < NR; ++r) o[r] = reduce_sum(a[u][r]);
-      }
-    }
+    reduce_n<U * NR>(a, sums);
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < NR; ++r) out[(t + u) * out_stride + r] = sums[u * NR + r];
   }
   for (; t < nt; ++t) {
     fVec a[NR];
@@ -210,7 +226,8 @@ inline void score_tile(const T* const* k, int64_t nt, const float* q, int64_t si
       for (int r = 0; r < NR; ++r)
         a[r] = at::vec::fmadd(fVec::loadu(q + r * size + d, rest), x, a[r]);
     }
-    for (int r = 0; r < NR; ++r) out[t * out_stride + r] = reduce_sum(a[r]);
+    reduce_n<NR>(a, sums);
+    for (int r = 0; r < NR; ++r) out[t * out_stride + r] = sums[r];
   }
 }
 
@@ -225,49 +242,41 @@ template <int NR>
 inline void score_tile_bf16(const c10::BFloat16* const* k, int64_t nt, const c10::BFloat16* q,
                             int64_t size, float scale, float* out, int64_t out_stride) {
   constexpr int64_t kPair = 32;  // bfloat16 values per vector
+  constexpr int U = kScoreUnroll<NR>;
   const int64_t full = size / kPair * kPair;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (size - full)) - 1);
   auto load = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
   auto load_tail = [tail](const c10::BFloat16* p) {
     return (__m512bh)_mm512_maskz_loadu_epi16(tail, p);
   };
-  auto emit = [&](const __m512* a, float* o) {
-    float sums[4];
-    if constexpr (NR == 4) {
-      reduce4(fVec(a[0]), fVec(a[1]), fVec(a[2]), fVec(a[3]), sums);
-    } else {
-      for (int r = 0; r < NR; ++r) sums[r] = _mm512_reduce_add_ps(a[r]);
-    }
-    for (int r = 0; r < NR; ++r) o[r] = sums[r] * scale;
-  };
+  float sums[U * NR];
   int64_t t = 0;
-  for (; t + 2 <= nt; t += 2) {
-    __m512 a0[NR], a1[NR];
-    for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-    const c10::BFloat16* k0 = k[t];
-    const c10::BFloat16* k1 = k[t + 1];
+  for (; t + U <= nt; t += U) {
+    fVec a[U * NR];  // a[u * NR + r]: token t + u, row r
+    for (int i = 0; i < U * NR; ++i) a[i] = fVec(0.f);
     for (int64_t d = 0; d < full; d += kPair) {
-      const __m512bh x0 = load(k0 + d), x1 = load(k1 + d);
+      __m512bh x[U];
+      for (int u = 0; u < U; ++u) x[u] = load(k[t + u] + d);
       for (int r = 0; r < NR; ++r) {
         const __m512bh qv = load(q + r * size + d);
-        a0[r] = _mm512_dpbf16_ps(a0[r], qv, x0);
-        a1[r] = _mm512_dpbf16_ps(a1[r], qv, x1);
+        for (int u = 0; u < U; ++u) a[u * NR + r] = _mm512_dpbf16_ps(a[u * NR + r], qv, x[u]);
       }
     }
     if (tail != 0) {
-      const __m512bh x0 = load_tail(k0 + full), x1 = load_tail(k1 + full);
+      __m512bh x[U];
+      for (int u = 0; u < U; ++u) x[u] = load_tail(k[t + u] + full);
       for (int r = 0; r < NR; ++r) {
         const __m512bh qv = load_tail(q + r * size + full);
-        a0[r] = _mm512_dpbf16_ps(a0[r], qv, x0);
-        a1[r] = _mm512_dpbf16_ps(a1[r], qv, x1);
+        for (int u = 0; u < U; ++u) a[u * NR + r] = _mm512_dpbf16_ps(a[u * NR + r], qv, x[u]);
       }
     }
-    emit(a0, out + t * out_stride);
-    emit(a1, out + (t + 1) * out_stride);
+    reduce_n<U * NR>(a, sums);
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < NR; ++r) out[(t + u) * out_stride + r] = sums[u * NR + r] * scale;
   }
   for (; t < nt; ++t) {
-    __m512 a[NR];
-    for (int r = 0; r < NR; ++r) a[r] = _mm512_setzero_ps();
+    fVec a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = fVec(0.f);
     for (int64_t d = 0; d < full; d += kPair) {
       const __m512bh x = load(k[t] + d);
       for (int r = 0; r < NR; ++r) a[r] = _mm512_dpbf16_ps(a[r], load(q + r * size + d), x);
@@ -277,7 +286,8 @@ inline void score_tile_bf16(const c10::BFloat16* const* k, int64_t nt, const c10
       for (int r = 0; r < NR; ++r)
         a[r] = _mm512_dpbf16_ps(a[r], load_tail(q + r * size + full), x);
     }
-    emit(a, out + t * out_stride);
+    reduce_n<NR>(a, sums);
+    for (int r = 0; r < NR; ++r) out[t * out_stride + r] = sums[r] * scale;
   }
 }
 
