@@ -194,6 +194,40 @@ def test_long_context_single_sequence(
 
 
 @requires_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "block_size"),
+    [
+        ([1], [560], 32),  # one sequence: split across the threads
+        ([1, 1, 1], [600, 600, 600], 16),  # split on 2 threads, one item each on 3
+        ([1, 4, 1, 2, 1], [1, 2000, 300, 4097, 90], 24),  # ragged, a block size not 2^k
+    ],
+    ids=["one", "three-equal", "ragged-block24"],
+)
+def test_decode_partitions_whatever_the_threads(
+    threads: int,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    kernel_calls: list[int],
+) -> None:
+    """Decode batches planned for 1-3 threads (whole sequences, or key ranges merged by
+    log-sum-exp where that balances the threads better) match the float64 reference."""
+    opts = Options(num_heads=9, num_kv_heads=3, head_size=64, sinks=torch.randn(9))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            batch = make_batch(opts, query_lens, seq_lens, block_size, dtype)
+            kernel_out, torch_out = run_both_paths(opts, batch, kernel_calls, block_size)
+            expected = reference_attention(opts, batch)
+            assert_matches(kernel_out, expected, dtype)
+            assert_matches(torch_out, expected, dtype)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@requires_kernel
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 def test_ragged_batch_with_chunked_decode(dtype: torch.dtype, kernel_calls: list[int]) -> None:
     """Ragged lengths (one key, partial blocks, long and short) with 1-16 query tokens."""

@@ -42,15 +42,23 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <functional>
 #include <numeric>
+#include <queue>
 
 namespace attn_di_kernel {
 namespace {
 
-// Most float scores an item keeps at once (query rows x keys): 256 KiB, an L2's share.
-constexpr int64_t kScoreBudget = 64 * 1024;
+// Most float scores an item keeps at once (query rows x keys): 128 KiB, with the item's V rows
+// well within an L2 (256 KiB measured 0.87-0.97x of vLLM's op in decode B8 x 2048 float32 on the
+// EPYC dev machine, where whole 2048-key sequences became items, against 0.84-0.87x).
+constexpr int64_t kScoreBudget = 32 * 1024;
 // Fewest keys per partition: below this the merge and the per-item set-up dominate.
 constexpr int64_t kMinPartition = 256;
+// An item's fixed cost (query staging, accumulator set-up, softmax bookkeeping, the scheduler's
+// counter), and a partial row's merge, in units of one key seen by one query token: what the
+// partition planner weighs against a better balance (plan_partition).
+constexpr int64_t kItemCost = 64;
 
 // Tokens per tile: rows whose pointers are resolved together and read register-blocked.
 constexpr int64_t kTile = 16;
@@ -159,16 +167,21 @@ inline void reduce4(const fVec& a0, const fVec& a1, const fVec& a2, const fVec& 
 }
 
 // sums[i] = the horizontal sum of a[i], i < N, four vectors at a time (reduce4: one shuffle
-// tree for four sums); the last N % 4 with zero vectors beside them.
+// tree for four sums); the last N % 4 with zero vectors beside them, except a single vector
+// (N = 1), which one reduce_sum takes in fewer instructions.
 template <int N>
 inline void reduce_n(const fVec* a, float* sums) {
-  int i = 0;
-  for (; i + 4 <= N; i += 4) reduce4(a[i], a[i + 1], a[i + 2], a[i + 3], sums + i);
-  if constexpr (N % 4 != 0) {
-    const fVec zero(0.f);
-    float rest[4];
-    reduce4(a[i], N % 4 > 1 ? a[i + 1] : zero, N % 4 > 2 ? a[i + 2] : zero, zero, rest);
-    for (int k = 0; k < N % 4; ++k) sums[i + k] = rest[k];
+  if constexpr (N == 1) {
+    sums[0] = reduce_sum(a[0]);
+  } else {
+    int i = 0;
+    for (; i + 4 <= N; i += 4) reduce4(a[i], a[i + 1], a[i + 2], a[i + 3], sums + i);
+    if constexpr (N % 4 != 0) {
+      const fVec zero(0.f);
+      float rest[4];
+      reduce4(a[i], N % 4 > 1 ? a[i + 1] : zero, N % 4 > 2 ? a[i + 2] : zero, zero, rest);
+      for (int k = 0; k < N % 4; ++k) sums[i + k] = rest[k];
+    }
   }
 }
 
@@ -179,137 +192,140 @@ inline void reduce_n(const fVec* a, float* sums) {
 template <int NR>
 constexpr int kScoreUnroll = NR * 4 <= 12 ? 4 : 2;
 
+// Scores of NR query rows (q, stride `size`) against U token rows k[0..U) (pointers already
+// at the KV head): out[u * out_stride + r]. U x NR accumulators, summed by reduce_n.
+template <typename T, int NR, int U>
+inline void score_step(const T* const* k, const float* q, int64_t size, float* out,
+                       int64_t out_stride) {
+  fVec a[U * NR];  // a[u * NR + r]: token u, row r
+  for (int i = 0; i < U * NR; ++i) a[i] = fVec(0.f);
+  int64_t d = 0;
+  for (; d + kLanes <= size; d += kLanes) {
+    fVec x[U];
+    for (int u = 0; u < U; ++u) x[u] = load_f<T>(k[u] + d);
+    for (int r = 0; r < NR; ++r) {
+      const fVec qv = fVec::loadu(q + r * size + d);
+      for (int u = 0; u < U; ++u) a[u * NR + r] = at::vec::fmadd(qv, x[u], a[u * NR + r]);
+    }
+  }
+  if (d < size) {
+    const int64_t rest = size - d;
+    fVec x[U];
+    for (int u = 0; u < U; ++u) x[u] = load_f<T>(k[u] + d, rest);
+    for (int r = 0; r < NR; ++r) {
+      const fVec qv = fVec::loadu(q + r * size + d, rest);
+      for (int u = 0; u < U; ++u) a[u * NR + r] = at::vec::fmadd(qv, x[u], a[u * NR + r]);
+    }
+  }
+  float sums[U * NR];
+  reduce_n<U * NR>(a, sums);
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < NR; ++r) out[u * out_stride + r] = sums[u * NR + r];
+}
+
 // Scores of NR query rows (q, stride D) against the keys of `nt` token rows (pointers already
-// at the KV head), kScoreUnroll<NR> tokens at a time: out[t * out_stride + r].
+// at the KV head), kScoreUnroll<NR> tokens a step, then one at a time: out[t * out_stride + r].
 template <typename T, int NR>
 inline void score_tile(const T* const* k, int64_t nt, const float* q, int64_t size, float* out,
                        int64_t out_stride) {
   constexpr int U = kScoreUnroll<NR>;
-  float sums[U * NR];
   int64_t t = 0;
-  for (; t + U <= nt; t += U) {
-    fVec a[U * NR];  // a[u * NR + r]: token t + u, row r
-    for (int i = 0; i < U * NR; ++i) a[i] = fVec(0.f);
-    int64_t d = 0;
-    for (; d + kLanes <= size; d += kLanes) {
-      fVec x[U];
-      for (int u = 0; u < U; ++u) x[u] = load_f<T>(k[t + u] + d);
-      for (int r = 0; r < NR; ++r) {
-        const fVec qv = fVec::loadu(q + r * size + d);
-        for (int u = 0; u < U; ++u) a[u * NR + r] = at::vec::fmadd(qv, x[u], a[u * NR + r]);
-      }
-    }
-    if (d < size) {
-      const int64_t rest = size - d;
-      fVec x[U];
-      for (int u = 0; u < U; ++u) x[u] = load_f<T>(k[t + u] + d, rest);
-      for (int r = 0; r < NR; ++r) {
-        const fVec qv = fVec::loadu(q + r * size + d, rest);
-        for (int u = 0; u < U; ++u) a[u * NR + r] = at::vec::fmadd(qv, x[u], a[u * NR + r]);
-      }
-    }
-    reduce_n<U * NR>(a, sums);
-    for (int u = 0; u < U; ++u)
-      for (int r = 0; r < NR; ++r) out[(t + u) * out_stride + r] = sums[u * NR + r];
-  }
-  for (; t < nt; ++t) {
-    fVec a[NR];
-    for (int r = 0; r < NR; ++r) a[r] = fVec(0.f);
-    int64_t d = 0;
-    for (; d + kLanes <= size; d += kLanes) {
-      const fVec x = load_f<T>(k[t] + d);
-      for (int r = 0; r < NR; ++r) a[r] = at::vec::fmadd(fVec::loadu(q + r * size + d), x, a[r]);
-    }
-    if (d < size) {
-      const int64_t rest = size - d;
-      const fVec x = load_f<T>(k[t] + d, rest);
-      for (int r = 0; r < NR; ++r)
-        a[r] = at::vec::fmadd(fVec::loadu(q + r * size + d, rest), x, a[r]);
-    }
-    reduce_n<NR>(a, sums);
-    for (int r = 0; r < NR; ++r) out[t * out_stride + r] = sums[r];
-  }
+  for (; t + U <= nt; t += U) score_step<T, NR, U>(k + t, q, size, out + t * out_stride, out_stride);
+  for (; t < nt; ++t) score_step<T, NR, 1>(k + t, q, size, out + t * out_stride, out_stride);
 }
 
 #if defined(ATTN_DI_AVX512_BF16)
-// Scores of NR bfloat16 query rows (unscaled, stride `size`) against the keys of `nt`
-// bfloat16 token rows (pointers already at the KV head), times `scale`: out[t * out_stride
-// + r]. AVX512_BF16's VDPBF16PS multiplies 32 bfloat16 pairs (each product exact in float32)
-// and adds them pairwise into 16 float32 lanes, so the cache rows are read as they are,
-// without a conversion; accumulation is float32. The last size % 32 values are loaded
-// masked (zeros beyond the head), so any head size works.
-template <int NR>
-inline void score_tile_bf16(const c10::BFloat16* const* k, int64_t nt, const c10::BFloat16* q,
-                            int64_t size, float scale, float* out, int64_t out_stride) {
+// Scores of NR bfloat16 query rows (unscaled, stride `size`) against U bfloat16 token rows
+// k[0..U) (pointers already at the KV head), times `scale`: out[u * out_stride + r].
+// AVX512_BF16's VDPBF16PS multiplies 32 bfloat16 pairs (each product exact in float32) and
+// adds them pairwise into 16 float32 lanes, so the cache rows are read as they are, without a
+// conversion; accumulation is float32. The last size % 32 values are loaded masked (`tail`:
+// zeros beyond the head), so any head size works.
+template <int NR, int U>
+inline void score_step_bf16(const c10::BFloat16* const* k, const c10::BFloat16* q, int64_t size,
+                            int64_t full, __mmask32 tail, float scale, float* out,
+                            int64_t out_stride) {
   constexpr int64_t kPair = 32;  // bfloat16 values per vector
-  constexpr int U = kScoreUnroll<NR>;
-  const int64_t full = size / kPair * kPair;
-  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (size - full)) - 1);
   auto load = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
   auto load_tail = [tail](const c10::BFloat16* p) {
     return (__m512bh)_mm512_maskz_loadu_epi16(tail, p);
   };
-  float sums[U * NR];
-  int64_t t = 0;
-  for (; t + U <= nt; t += U) {
-    fVec a[U * NR];  // a[u * NR + r]: token t + u, row r
-    for (int i = 0; i < U * NR; ++i) a[i] = fVec(0.f);
-    for (int64_t d = 0; d < full; d += kPair) {
-      __m512bh x[U];
-      for (int u = 0; u < U; ++u) x[u] = load(k[t + u] + d);
-      for (int r = 0; r < NR; ++r) {
-        const __m512bh qv = load(q + r * size + d);
-        for (int u = 0; u < U; ++u) a[u * NR + r] = _mm512_dpbf16_ps(a[u * NR + r], qv, x[u]);
-      }
+  fVec a[U * NR];  // a[u * NR + r]: token u, row r
+  for (int i = 0; i < U * NR; ++i) a[i] = fVec(0.f);
+  for (int64_t d = 0; d < full; d += kPair) {
+    __m512bh x[U];
+    for (int u = 0; u < U; ++u) x[u] = load(k[u] + d);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh qv = load(q + r * size + d);
+      for (int u = 0; u < U; ++u) a[u * NR + r] = _mm512_dpbf16_ps(a[u * NR + r], qv, x[u]);
     }
-    if (tail != 0) {
-      __m512bh x[U];
-      for (int u = 0; u < U; ++u) x[u] = load_tail(k[t + u] + full);
-      for (int r = 0; r < NR; ++r) {
-        const __m512bh qv = load_tail(q + r * size + full);
-        for (int u = 0; u < U; ++u) a[u * NR + r] = _mm512_dpbf16_ps(a[u * NR + r], qv, x[u]);
-      }
-    }
-    reduce_n<U * NR>(a, sums);
-    for (int u = 0; u < U; ++u)
-      for (int r = 0; r < NR; ++r) out[(t + u) * out_stride + r] = sums[u * NR + r] * scale;
   }
-  for (; t < nt; ++t) {
-    fVec a[NR];
-    for (int r = 0; r < NR; ++r) a[r] = fVec(0.f);
-    for (int64_t d = 0; d < full; d += kPair) {
-      const __m512bh x = load(k[t] + d);
-      for (int r = 0; r < NR; ++r) a[r] = _mm512_dpbf16_ps(a[r], load(q + r * size + d), x);
+  if (tail != 0) {
+    __m512bh x[U];
+    for (int u = 0; u < U; ++u) x[u] = load_tail(k[u] + full);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh qv = load_tail(q + r * size + full);
+      for (int u = 0; u < U; ++u) a[u * NR + r] = _mm512_dpbf16_ps(a[u * NR + r], qv, x[u]);
     }
-    if (tail != 0) {
-      const __m512bh x = load_tail(k[t] + full);
-      for (int r = 0; r < NR; ++r)
-        a[r] = _mm512_dpbf16_ps(a[r], load_tail(q + r * size + full), x);
+  }
+  float sums[U * NR];
+  reduce_n<U * NR>(a, sums);
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < NR; ++r) out[u * out_stride + r] = sums[u * NR + r] * scale;
+}
+
+// score_step_bf16 over the keys of `nt` token rows, kScoreUnroll<NR> tokens a step, then one
+// at a time: out[t * out_stride + r].
+template <int NR>
+inline void score_tile_bf16(const c10::BFloat16* const* k, int64_t nt, const c10::BFloat16* q,
+                            int64_t size, float scale, float* out, int64_t out_stride) {
+  constexpr int U = kScoreUnroll<NR>;
+  const int64_t full = size / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (size - full)) - 1);
+  int64_t t = 0;
+  for (; t + U <= nt; t += U)
+    score_step_bf16<NR, U>(k + t, q, size, full, tail, scale, out + t * out_stride, out_stride);
+  for (; t < nt; ++t)
+    score_step_bf16<NR, 1>(k + t, q, size, full, tail, scale, out + t * out_stride, out_stride);
+}
+
+// The probabilities of a token-major softmax block (p[j * rows + r], n keys) as bfloat16
+// pairs for value_tile_bf16: pairs[u * rows + r] = bf16(p[2u, r]) | bf16(p[2u + 1, r]) << 16,
+// the odd last key paired with 0: once per tile for all its KV heads, 16 at a time with
+// VCVTNEPS2BF16 (round to nearest even; scalar conversions per tile and head group measured
+// 6-8% of SmolLM2's one-thread bfloat16 decode). It flushes denormal inputs to zero: for
+// probabilities (at most 1) below bfloat16's own rounding of the larger ones.
+inline void pack_probability_pairs(const float* p, int64_t n, int64_t rows,
+                                   std::vector<uint32_t>& pairs) {
+  const int64_t count = (n + 1) / 2;
+  pairs.resize(count * rows);
+  for (int64_t u = 0; u < count; ++u) {
+    const float* lo = p + 2 * u * rows;
+    const bool has_hi = 2 * u + 1 < n;
+    for (int64_t r = 0; r < rows; r += 16) {
+      const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, rows - r)) - 1);
+      const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, lo + r));
+      const __m256i h = has_hi ? (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, lo + rows + r))
+                               : _mm256_setzero_si256();
+      const __m512i word = _mm512_or_si512(_mm512_cvtepu16_epi32(l),
+                                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      _mm512_mask_storeu_epi32(pairs.data() + u * rows + r, m, word);
     }
-    reduce_n<NR>(a, sums);
-    for (int r = 0; r < NR; ++r) out[t * out_stride + r] = sums[r] * scale;
   }
 }
 
-// acc[r] += sum_t bf16(p[t * p_stride + r]) * v_t for NR float32 accumulator rows (stride
-// `size`) and `nt` bfloat16 token rows (pointers already at the KV head), with VDPBF16PS on
-// token pairs: two rows interleaved (VPERMT2W: v_t[d], v_t+1[d] adjacent) meet the pair of
-// their probabilities broadcast, so each lane d adds p_t v_t[d] + p_t+1 v_t+1[d] in float32.
-// The probabilities are rounded to bfloat16 (relative error <= 2^-9, as in a bfloat16 GEMM
-// of P V); the softmax's sums and the accumulators stay float32. An odd last token pairs with
-// a zero row and probability.
+// acc[r] += sum_t bf16(p_t, r) * v_t for NR float32 accumulator rows (stride `size`) and `nt`
+// bfloat16 token rows (pointers already at the KV head), with VDPBF16PS on token pairs: two
+// rows interleaved (VPERMT2W: v_t[d], v_t+1[d] adjacent) meet the pair of their
+// probabilities broadcast (pairs[u * p_stride + r], from pack_probability_pairs), so each
+// lane d adds p_t v_t[d] + p_t+1 v_t+1[d] in float32. The probabilities are rounded to
+// bfloat16 (relative error <= 2^-9, as in a bfloat16 GEMM of P V); the softmax's sums and the
+// accumulators stay float32. An odd last token pairs with a zero row and probability.
 template <int NR>
-inline void value_tile_bf16(const c10::BFloat16* const* v, int64_t nt, const float* p,
+inline void value_tile_bf16(const c10::BFloat16* const* v, int64_t nt, const uint32_t* pairs,
                             int64_t p_stride, float* acc, int64_t size) {
   constexpr int64_t kChunk = 32;  // values of D per pass: two float32 accumulators per row
-  const int64_t pairs = (nt + 1) / 2;
-  uint32_t packed[kTile / 2][NR];  // (bf16(p_t), bf16(p_t+1)) per pair and row
-  for (int64_t u = 0; u < pairs; ++u)
-    for (int r = 0; r < NR; ++r) {
-      const uint32_t lo = c10::BFloat16(p[2 * u * p_stride + r]).x;
-      const uint32_t hi = 2 * u + 1 < nt ? c10::BFloat16(p[(2 * u + 1) * p_stride + r]).x : 0u;
-      packed[u][r] = lo | (hi << 16);
-    }
+  const int64_t count = (nt + 1) / 2;
   // Word i of the first interleave is a[i / 2] (even i) or b[i / 2] (odd i); of the second,
   // the same 16 values on (index bit 5 picks b).
   alignas(64) static const uint16_t kLow[32] = {
@@ -328,14 +344,14 @@ inline void value_tile_bf16(const c10::BFloat16* const* v, int64_t nt, const flo
       a[r][0] = _mm512_maskz_loadu_ps(first, acc + r * size + d);
       a[r][1] = _mm512_maskz_loadu_ps(second, acc + r * size + d + 16);
     }
-    for (int64_t u = 0; u < pairs; ++u) {
+    for (int64_t u = 0; u < count; ++u) {
       const __m512i x = _mm512_maskz_loadu_epi16(words, v[2 * u] + d);
       const __m512i y = 2 * u + 1 < nt ? _mm512_maskz_loadu_epi16(words, v[2 * u + 1] + d)
                                        : _mm512_setzero_si512();
       const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(x, low, y);
       const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(x, high, y);
       for (int r = 0; r < NR; ++r) {
-        const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[u][r]));
+        const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[u * p_stride + r]));
         a[r][0] = _mm512_dpbf16_ps(a[r][0], lo, pr);
         a[r][1] = _mm512_dpbf16_ps(a[r][1], hi, pr);
       }
@@ -464,6 +480,7 @@ inline void for_head_groups(int64_t G, F&& f) {
 struct Scratch {
   std::vector<float> queries, scores, acc, key_row, value_row, pattern, row_max, row_sum, stage;
   std::vector<c10::BFloat16> raw_queries;  // bfloat16 queries as given, for score_tile_bf16
+  std::vector<uint32_t> prob_pairs;  // a tile's bfloat16 probability pairs, for value_tile_bf16
   const float* staged[kTile];  // rows of `stage`, as score_tile / value_tile take them
 
   static Scratch& of_this_thread() {
@@ -557,8 +574,15 @@ struct Kernel {
     return sc.staged;
   }
 
+  // The token row of key `pos` of sequence `seq`. Block sizes are powers of two in practice
+  // (vLLM's 16, 32, 128): a shift and a mask then, not a 64-bit division per key.
   const T* key_row(const CacheView<T>& view, const Sequence&, int64_t seq, int64_t pos) const {
-    return view.row(table[seq * table_stride + pos / o.block_size], pos % o.block_size);
+    const int64_t bs = o.block_size;
+    if ((bs & (bs - 1)) == 0) {
+      const int shift = __builtin_ctzll(static_cast<unsigned long long>(bs));
+      return view.row(table[seq * table_stride + (pos >> shift)], pos & (bs - 1));
+    }
+    return view.row(table[seq * table_stride + pos / bs], pos % bs);
   }
 
   void run_item(const Item& item, Scratch& sc) const {
@@ -680,11 +704,12 @@ struct Kernel {
         for (int64_t g = 0; g < o.kv_heads; ++g) {
 #if defined(ATTN_DI_AVX512_BF16)
           if constexpr (kBf16Dot) {
+            if (g == 0) pack_probability_pairs(scores + j0 * rows, nt, rows, sc.prob_pairs);
             const T* heads[kTile];
             for (int64_t t = 0; t < nt; ++t) heads[t] = tile_rows[t] + g * values.head_stride;
             for (int64_t i = 0; i < s.q_len; ++i) {
               const int64_t r0 = i * H + g * G;
-              const float* pj = scores + j0 * rows + r0;
+              const uint32_t* pj = sc.prob_pairs.data() + r0;
               for_head_groups(G, [&](auto nr, int64_t h) {
                 value_tile_bf16<decltype(nr)::value>(heads, nt, pj + h, rows, acc + (r0 + h) * D, D);
               });
@@ -1009,6 +1034,84 @@ at::Tensor head_option(const std::optional<at::Tensor>& given, const char* name,
   return given->to(at::kFloat).contiguous();
 }
 
+// How a sequence's `keys` visible keys split at `width` keys per item: even parts of `step`
+// keys, aligned up to the block size when that stays within `cap`; `parts` items in all.
+struct Split {
+  int64_t parts, step;
+};
+inline Split split_keys(int64_t keys, int64_t width, int64_t block_size, int64_t cap) {
+  const int64_t wanted = std::max<int64_t>(1, (keys + width - 1) / width);
+  int64_t step = std::max<int64_t>(1, (keys + wanted - 1) / wanted);
+  const int64_t aligned = (step + block_size - 1) / block_size * block_size;
+  if (aligned <= cap) step = aligned;
+  return {std::max<int64_t>(1, (keys + step - 1) / step), step};
+}
+
+// Most keys an item of `rows` query rows takes: its share of the score budget.
+inline int64_t score_cap(int64_t rows) { return std::max<int64_t>(16, kScoreBudget / rows); }
+
+// Keys per item for a sequence of q_len query tokens and `rows` query rows at `partition`
+// (keys x query tokens per item), within score_cap(rows).
+inline int64_t item_width(int64_t partition, int64_t q_len, int64_t rows) {
+  return std::min(std::max<int64_t>(1, partition / std::max<int64_t>(1, q_len)), score_cap(rows));
+}
+
+// The partition (keys x query tokens per item) for the decode kernel's sequences on `threads`
+// threads: of the widths L / p (L: the longest sequence's work, p = 1, 2, 3, 4, 6, 8, ..., no
+// narrower than kMinPartition), the one whose schedule is estimated to finish first. The
+// estimate replays run()'s scheduler: items longest first, each to the first free thread
+// (list scheduling), an item costing its keys x query tokens plus kItemCost, and each partial
+// row of a split sequence its merge. A wider partition wins unless a narrower one finishes
+// 1/32 sooner: equal sequences at least as many as the threads are never split (SmolLM2's
+// B8 on 2 threads), one sequence on two threads splits in two, not three.
+int64_t plan_partition(const std::vector<Sequence>& seqs, int64_t heads, int64_t block_size,
+                       int64_t threads) {
+  int64_t longest = 0, total = 0;
+  for (const Sequence& s : seqs)
+    if (!s.prefill && s.q_len > 0) {
+      const int64_t work = (s.seq_len - s.lo) * s.q_len;
+      longest = std::max(longest, work);
+      total += work;
+    }
+  if (longest == 0) return kMinPartition;
+  std::vector<int64_t> costs;
+  std::priority_queue<int64_t, std::vector<int64_t>, std::greater<int64_t>> loads;
+  int64_t best = longest, best_makespan = std::numeric_limits<int64_t>::max();
+  for (int64_t p = 1;; p = p < 4 ? p + 1 : p + p / 2) {
+    const int64_t partition = std::max(kMinPartition, (longest + p - 1) / p);
+    costs.clear();
+    for (const Sequence& s : seqs) {
+      if (s.prefill || s.q_len == 0) continue;
+      const int64_t rows = s.q_len * heads, keys = s.seq_len - s.lo, q = s.q_len;
+      const Split split = split_keys(keys, item_width(partition, q, rows), block_size, score_cap(rows));
+      const int64_t merge = split.parts > 1 ? kItemCost : 0;
+      for (int64_t part = 0; part < split.parts; ++part) {
+        const int64_t n = std::min(split.step, keys - part * split.step);
+        costs.push_back(std::max<int64_t>(0, n) * q + kItemCost + merge);
+      }
+    }
+    std::sort(costs.begin(), costs.end(), std::greater<int64_t>());
+    loads = decltype(loads)();
+    for (int64_t t = 0; t < threads; ++t) loads.push(0);
+    int64_t makespan = 0;
+    for (const int64_t c : costs) {
+      const int64_t start = loads.top();
+      loads.pop();
+      loads.push(start + c);
+      makespan = std::max(makespan, start + c);
+    }
+    if (makespan < best_makespan - best_makespan / 32) {
+      best = partition;
+      best_makespan = makespan;
+    }
+    // Nothing beats an even share of the work (total / threads and an item's fixed cost),
+    // and no partition is narrower than kMinPartition.
+    const int64_t bound = (total + threads - 1) / threads + kItemCost;
+    if (partition == kMinPartition || best_makespan <= bound + bound / 32) break;
+  }
+  return best;
+}
+
 void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_table_in,
                      const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
@@ -1111,7 +1214,6 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
   // sequence's visible key range cut into partitions; the others to the prefill kernel.
   std::vector<Sequence> seqs(num_seqs);
   std::vector<PrefillSeq> prefills;
-  int64_t total_keys = 0, max_rows = 1;
   const int64_t max_blocks = table.cols, table_stride = table.stride;
   for (int64_t b = 0; b < num_seqs; ++b) {
     Sequence& s = seqs[b];
@@ -1136,13 +1238,9 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
       TORCH_CHECK(block >= 0 && block < o.num_blocks, "attn_di paged_attention: block_table[", b, ", ", c,
                   "] = ", block, " is outside the cache's blocks [0, ", o.num_blocks, ")");
     }
-    if (s.prefill) continue;
-    total_keys += (s.seq_len - s.lo) * std::max<int64_t>(1, s.q_len);
-    max_rows = std::max(max_rows, s.q_len * o.heads);
   }
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t partition = (total_keys + 8 * threads - 1) / (8 * threads);
-  partition = std::max(partition, kMinPartition);
+  const int64_t partition = plan_partition(seqs, o.heads, o.block_size, threads);
   std::vector<Item> items;
   int64_t partial_rows = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
@@ -1153,14 +1251,8 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
       s.num_items = 0;
       continue;
     }
-    const int64_t cap = std::max<int64_t>(16, kScoreBudget / rows);
-    const int64_t width = std::min(std::max<int64_t>(1, partition / std::max<int64_t>(1, s.q_len)), cap);
-    const int64_t keys = s.seq_len - s.lo;
-    const int64_t parts = std::max<int64_t>(1, (keys + width - 1) / width);
-    // Even partitions, aligned to the block size when that keeps them within the cap.
-    int64_t step = (keys + parts - 1) / parts;
-    const int64_t aligned = (step + o.block_size - 1) / o.block_size * o.block_size;
-    if (aligned <= cap) step = aligned;
+    const int64_t step = split_keys(s.seq_len - s.lo, item_width(partition, s.q_len, rows),
+                                    o.block_size, score_cap(rows)).step;
     s.num_items = 0;
     for (int64_t start = s.lo; start < s.seq_len || s.num_items == 0; start += step) {
       items.push_back({b, start, std::min(s.seq_len, start + step), s.num_items});
