@@ -1,10 +1,19 @@
 """vLLM generating with attn_di's CPU_ATTN vs vLLM's own CPU_ATTN (run in .venv-vllm).
 
 Default workload (issue 15's): SmolLM2-135M-Instruct, 8 prompts of 500 random tokens, 64 new
-greedy tokens each, float32 and bfloat16, vLLM's in-process engine (``enforce_eager``, block
-size 128, prefix caching off so that no run reads another's cache). For each dtype the two
-contenders run alternately, ``--rounds`` times, each round on a freshly built engine with one
-warm-up generation first; the table shows the median over rounds of:
+greedy tokens each, float32 and bfloat16, block size 128, prefix caching off so that no run
+reads another's cache. Two engine modes (``--modes``):
+
+* ``eager``: vLLM's in-process engine with ``enforce_eager`` (2 torch threads here);
+* ``default``: vLLM as users start it, its defaults: the compiled model (torch.compile, the
+  attention call a splitting op outside the graph) and the multiprocess engine (front end,
+  engine core and worker in separate processes; the worker pinned to its cores).
+
+Each mode runs in a process of its own (vLLM reads its environment once). For each dtype the
+two contenders run alternately, ``--rounds`` times, each round on a freshly built engine with
+one warm-up generation first; every worker is then asked (``collective_rpc``) which impl its
+attention layers ran, so a row is never another backend's. The table shows the median over
+rounds of:
 
 * time to first token: the wall time of a generation of one token for all 8 prompts (their
   prefill, done in vLLM's chunked steps);
@@ -12,8 +21,8 @@ warm-up generation first; the table shows the median over rounds of:
   of the one-token one (fresh random prompts for each);
 * total wall: the 64-token generation.
 
-Also whether the two contenders' greedy tokens are equal. Targets: decode tokens/s >= vLLM's
-own in both dtypes; time to first token <= vLLM's (once attn_di's prefill kernel has landed).
+Also whether the two contenders' greedy tokens are equal. Targets (issue 23): time to first
+token <= 1.0x and decode tokens/s >= 1.0x of vLLM's own in both dtypes and both modes.
 Run: ``.venv-vllm/bin/python benchmarks/bench_vllm.py`` (``--markdown`` for
 docs/benchmarks.md; ``--prompts 2 --prompt-len 64 --new-tokens 8 --rounds 1 --dtypes float32``
 to smoke-test). The SmolLM2 folder is the one ``scripts/setup-vllm.sh`` makes.
@@ -23,9 +32,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +45,6 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
 
 import torch
 from vllm.inputs import TokensPrompt
@@ -41,12 +52,22 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 import attn_di
 from _machine import cpu_flags, cpu_model  # beside this script (the script's folder is on sys.path)
+from _vllm_workers import worker_impls
 from attn_di.integrations import vllm as bridge
 from vllm import LLM, SamplingParams
 
 CONTENDERS = {
     "vLLM CPU_ATTN": None,
     "attn_di CPU_ATTN": "attn_di.integrations.vllm.backends.CPU_ATTN",
+}
+# Engine modes, and the VLLM_ENABLE_V1_MULTIPROCESSING each runs under (run_mode sets both
+# for the process it starts; vLLM reads its environment once per process).
+MODES = {"eager": "0", "default": "1"}
+MODE = os.environ.get("ATTN_DI_BENCH_VLLM_MODE", "eager")  # this process's
+# The module of each contender's impl class, as the workers report it.
+IMPL_MODULES = {
+    "vLLM CPU_ATTN": "vllm.v1.attention.backends.cpu_attn",
+    "attn_di CPU_ATTN": "attn_di.integrations.vllm.",
 }
 
 
@@ -76,16 +97,21 @@ def greedy(tokens: int) -> SamplingParams:
 
 
 def measure(
-    folder: Path, class_path: str | None, dtype: str, args: argparse.Namespace, seed: int
+    folder: Path, name: str, dtype: str, args: argparse.Namespace, seed: int
 ) -> tuple[float, float, float, list[list[int]]]:
-    """(first-token s, decode tokens/s, total s, tokens of the 64-token run) on a new engine."""
+    """(first-token s, decode tokens/s, total s, tokens of the 64-token run) on a new engine.
+
+    Raises:
+        SystemExit: a worker's attention layers ran another impl than ``name``'s.
+    """
+    class_path = CONTENDERS[name]
     with attn_di.use_container():
         if class_path is not None:
             attn_di.register_backend(attn_di.AttentionBackendEnum.CPU_ATTN, class_path)
         llm = LLM(
             model=str(folder),
             dtype=dtype,
-            enforce_eager=True,
+            enforce_eager=MODE == "eager",
             max_model_len=args.prompt_len + args.new_tokens + 16,
             max_num_seqs=args.prompts,
             enable_prefix_caching=False,
@@ -103,12 +129,69 @@ def measure(
             start = time.perf_counter()
             outputs = llm.generate(full, greedy(args.new_tokens), use_tqdm=False)
             total = time.perf_counter() - start
+            ran = llm.collective_rpc(worker_impls)
+            if not all(impl.startswith(IMPL_MODULES[name]) for impls in ran for impl in impls):
+                raise SystemExit(f"{name} in {MODE} mode: the workers ran {ran}")
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
     decode = args.prompts * (args.new_tokens - 1) / max(total - ttft, 1e-9)
     return ttft, decode, total, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+Row = tuple[str, str, str, float, float, float, float, float, bool]
+
+
+def measure_mode(folder: Path, args: argparse.Namespace) -> list[Row]:
+    """The rows of this process's mode (MODE): per dtype and contender, the medians over
+    rounds and their ratios to vLLM's own CPU_ATTN."""
+    assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
+    rows: list[Row] = []
+    for dtype in args.dtypes.split(","):
+        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in CONTENDERS}
+        tokens: dict[str, list[list[int]]] = {}
+        for round_index in range(args.rounds):
+            for name in CONTENDERS:
+                ttft, decode, total, generated = measure(
+                    folder, name, dtype, args, seed=100 + round_index
+                )
+                results[name].append((ttft, decode, total))
+                tokens.setdefault(name, generated)
+        reference = "vLLM CPU_ATTN"
+        base = [statistics.median(r[i] for r in results[reference]) for i in range(3)]
+        for name in CONTENDERS:
+            ttft, decode, total = (statistics.median(r[i] for r in results[name]) for i in range(3))
+            same = tokens[name] == tokens[reference]
+            rows.append(
+                (MODE, dtype, name, ttft, ttft / base[0], decode, decode / base[1], total, same)
+            )
+    return rows
+
+
+def run_mode(mode: str, argv: list[str]) -> list[Row]:
+    """The rows of ``mode``, measured by this script in a process of its own (vLLM reads its
+    environment once per process).
+
+    Raises:
+        SystemExit: that process failed (its output is printed above).
+    """
+    env = dict(os.environ, ATTN_DI_BENCH_VLLM_MODE=mode, VLLM_ENABLE_V1_MULTIPROCESSING=MODES[mode])
+    # collective_rpc(worker_impls) reaches the multiprocess engine's worker pickled (a function
+    # of this folder); the processes are this benchmark's own.
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    done = subprocess.run(
+        [sys.executable, __file__, *argv, "--modes", mode, "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        print(done.stdout)
+        raise SystemExit(f"the {mode} mode's run failed (exit status {done.returncode})")
+    return [tuple(row) for row in json.loads(lines[-1])["rows"]]  # type: ignore[misc]
 
 
 def main() -> None:
@@ -118,51 +201,55 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating repetitions")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="eager (in-process, enforce_eager), default"
+    )
     parser.add_argument("--markdown", action="store_true", help="print markdown table rows")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # run_mode's
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2")
+    modes = args.modes.split(",")
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
     bridge.install()
     folder = model_folder()
+    if args.json:  # one mode, in this process (run_mode started it)
+        print(json.dumps({"rows": measure_mode(folder, args)}))
+        return
     load = os.getloadavg()[0]
     print(
         f"# {cpu_model()} ({cpu_flags()}), torch {torch.__version__}, "
         f"{torch.get_num_threads()} torch threads, {os.cpu_count()} cores, load {load:.1f}; "
         f"{args.prompts} x {args.prompt_len} tokens + {args.new_tokens} new, {args.rounds} rounds"
     )
-    assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
-    rows = []
-    for dtype in args.dtypes.split(","):
-        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in CONTENDERS}
-        tokens: dict[str, list[list[int]]] = {}
-        for round_index in range(args.rounds):
-            for name, class_path in CONTENDERS.items():
-                ttft, decode, total, generated = measure(
-                    folder, class_path, dtype, args, seed=100 + round_index
-                )
-                results[name].append((ttft, decode, total))
-                tokens.setdefault(name, generated)
-        reference = "vLLM CPU_ATTN"
-        base = [statistics.median(r[i] for r in results[reference]) for i in range(3)]
-        for name in CONTENDERS:
-            ttft, decode, total = (statistics.median(r[i] for r in results[name]) for i in range(3))
-            same = tokens[name] == tokens[reference]
-            rows.append((dtype, name, ttft, ttft / base[0], decode, decode / base[1], total, same))
+    argv = [arg for arg in sys.argv[1:] if arg != "--markdown"]
+    passed: list[str] = []
+    skip = False
+    for arg in argv:  # everything but --modes (run_mode passes its own)
+        if skip:
+            skip = False
+        elif arg == "--modes":
+            skip = True
+        elif not arg.startswith("--modes="):
+            passed.append(arg)
+    rows = [row for mode in modes for row in run_mode(mode, passed)]
     if args.markdown:
         print(
-            "| dtype | contender | first token s | vs vLLM | decode tok/s | vs vLLM | total s "
-            "| same tokens |"
+            "| mode | dtype | contender | first token s | vs vLLM | decode tok/s | vs vLLM "
+            "| total s | same tokens |"
         )
-        print("|---|---|---|---|---|---|---|---|")
-        for dtype, name, ttft, r1, decode, r2, total, same in rows:
+        print("|---|---|---|---|---|---|---|---|---|")
+        for mode, dtype, name, ttft, r1, decode, r2, total, same in rows:
             print(
-                f"| {dtype} | {name} | {ttft:.2f} | {r1:.2f}x | {decode:.0f} | {r2:.2f}x "
-                f"| {total:.2f} | {same} |"
+                f"| {mode} | {dtype} | {name} | {ttft:.2f} | {r1:.2f}x | {decode:.0f} "
+                f"| {r2:.2f}x | {total:.2f} | {same} |"
             )
     else:
-        for dtype, name, ttft, r1, decode, r2, total, same in rows:
+        for mode, dtype, name, ttft, r1, decode, r2, total, same in rows:
             print(
-                f"{dtype:9} {name:17} first token {ttft:6.2f} s ({r1:4.2f}x)  "
+                f"{mode:7} {dtype:9} {name:17} first token {ttft:6.2f} s ({r1:4.2f}x)  "
                 f"decode {decode:7.1f} tok/s ({r2:4.2f}x)  total {total:6.2f} s  same tokens {same}"
             )
 
