@@ -23,9 +23,10 @@ rounds of:
 
 Also whether the two contenders' greedy tokens are equal. Targets (issue 23): time to first
 token <= 1.0x and decode tokens/s >= 1.0x of vLLM's own in both dtypes and both modes.
-Run: ``.venv-vllm/bin/python benchmarks/bench_vllm.py`` (``--markdown`` for
-docs/benchmarks.md; ``--prompts 2 --prompt-len 64 --new-tokens 8 --rounds 1 --dtypes float32``
-to smoke-test). The SmolLM2 folder is the one ``scripts/setup-vllm.sh`` makes.
+Run: ``.venv-vllm/bin/python benchmarks/bench_vllm.py`` (``--markdown``: the rows as a
+markdown table, which docs/benchmarks.md condenses; ``--prompts 2 --prompt-len 64 --new-tokens 8
+--rounds 1 --dtypes float32`` to smoke-test). The SmolLM2 folder is the one
+``scripts/setup-vllm.sh`` makes.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ CONTENDERS = {
 # for the process it starts; vLLM reads its environment once per process).
 MODES = {"eager": "0", "default": "1"}
 MODE = os.environ.get("ATTN_DI_BENCH_VLLM_MODE", "eager")  # this process's
+DTYPES = ("float32", "bfloat16", "float16")
+ROWS_MARKER = "ATTN_DI_BENCH_VLLM_ROWS "  # the line of a mode's process that holds its rows
 # The module of each contender's impl class, as the workers report it.
 IMPL_MODULES = {
     "vLLM CPU_ATTN": "vllm.v1.attention.backends.cpu_attn",
@@ -130,7 +133,10 @@ def measure(
             outputs = llm.generate(full, greedy(args.new_tokens), use_tqdm=False)
             total = time.perf_counter() - start
             ran = llm.collective_rpc(worker_impls)
-            if not all(impl.startswith(IMPL_MODULES[name]) for impls in ran for impl in impls):
+            if not ran or not all(
+                impls and all(impl.startswith(IMPL_MODULES[name]) for impl in impls)
+                for impls in ran
+            ):
                 raise SystemExit(f"{name} in {MODE} mode: the workers ran {ran}")
         finally:
             llm.llm_engine.engine_core.shutdown()
@@ -187,11 +193,17 @@ def run_mode(mode: str, argv: list[str]) -> list[Row]:
         text=True,
         check=False,
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
+    lines = [line for line in done.stdout.splitlines() if line.startswith(ROWS_MARKER)]
+    try:
+        if done.returncode != 0 or not lines:
+            raise ValueError("no rows")
+        rows = json.loads(lines[-1][len(ROWS_MARKER) :])["rows"]
+    except (ValueError, KeyError, TypeError):
         print(done.stdout)
-        raise SystemExit(f"the {mode} mode's run failed (exit status {done.returncode})")
-    return [tuple(row) for row in json.loads(lines[-1])["rows"]]  # type: ignore[misc]
+        raise SystemExit(
+            f"the {mode} mode's run failed (exit status {done.returncode}): its output is above"
+        ) from None
+    return [tuple(row) for row in rows]
 
 
 def main() -> None:
@@ -209,14 +221,23 @@ def main() -> None:
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2")
+    for option in ("rounds", "prompts", "prompt_len"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1")
+    dtypes = args.dtypes.split(",")
+    bad = [dtype for dtype in dtypes if dtype not in DTYPES]
+    if bad:
+        parser.error(f"unknown dtype(s) {bad}: choose from {', '.join(DTYPES)}")
     modes = args.modes.split(",")
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:
         parser.error(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
     bridge.install()
     folder = model_folder()
-    if args.json:  # one mode, in this process (run_mode started it)
-        print(json.dumps({"rows": measure_mode(folder, args)}))
+    if args.json:  # one mode, in this process (run_mode started it, MODE set to it)
+        if modes != [MODE]:
+            parser.error(f"--json measures this process's mode ({MODE}), not {modes}")
+        print(ROWS_MARKER + json.dumps({"rows": measure_mode(folder, args)}))
         return
     load = os.getloadavg()[0]
     print(
