@@ -235,6 +235,9 @@ inline void score_tile(const T* const* k, int64_t nt, const float* q, int64_t si
 }
 
 #if defined(ATTN_DI_AVX512_BF16)
+// bfloat16 values in one 512-bit vector (VDPBF16PS's 32 pairs' worth of one operand).
+constexpr int64_t kPair = 32;
+
 // Scores of NR bfloat16 query rows (unscaled, stride `size`) against U bfloat16 token rows
 // k[0..U) (pointers already at the KV head), times `scale`: out[u * out_stride + r].
 // AVX512_BF16's VDPBF16PS multiplies 32 bfloat16 pairs (each product exact in float32) and
@@ -245,7 +248,6 @@ template <int NR, int U>
 inline void score_step_bf16(const c10::BFloat16* const* k, const c10::BFloat16* q, int64_t size,
                             int64_t full, __mmask32 tail, float scale, float* out,
                             int64_t out_stride) {
-  constexpr int64_t kPair = 32;  // bfloat16 values per vector
   auto load = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
   auto load_tail = [tail](const c10::BFloat16* p) {
     return (__m512bh)_mm512_maskz_loadu_epi16(tail, p);
@@ -280,7 +282,7 @@ template <int NR>
 inline void score_tile_bf16(const c10::BFloat16* const* k, int64_t nt, const c10::BFloat16* q,
                             int64_t size, float scale, float* out, int64_t out_stride) {
   constexpr int U = kScoreUnroll<NR>;
-  const int64_t full = size / 32 * 32;
+  const int64_t full = size / kPair * kPair;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (size - full)) - 1);
   int64_t t = 0;
   for (; t + U <= nt; t += U)
@@ -1034,26 +1036,25 @@ at::Tensor head_option(const std::optional<at::Tensor>& given, const char* name,
   return given->to(at::kFloat).contiguous();
 }
 
-// How a sequence's `keys` visible keys split at `width` keys per item: even parts of `step`
-// keys, aligned up to the block size when that stays within `cap`; `parts` items in all.
+// Most keys an item of `rows` query rows takes: its share of the score budget.
+inline int64_t score_cap(int64_t rows) { return std::max<int64_t>(16, kScoreBudget / rows); }
+
+// How a sequence's `keys` visible keys split into items at `partition` (keys x query tokens
+// per item) for its q_len query tokens and `rows` query rows: even parts of `step` keys, at
+// most partition / q_len and score_cap(rows), aligned up to the block size when that stays
+// within the cap; `parts` items in all.
 struct Split {
   int64_t parts, step;
 };
-inline Split split_keys(int64_t keys, int64_t width, int64_t block_size, int64_t cap) {
+inline Split split_keys(int64_t keys, int64_t partition, int64_t q_len, int64_t rows,
+                        int64_t block_size) {
+  const int64_t cap = score_cap(rows);
+  const int64_t width = std::min(std::max<int64_t>(1, partition / std::max<int64_t>(1, q_len)), cap);
   const int64_t wanted = std::max<int64_t>(1, (keys + width - 1) / width);
   int64_t step = std::max<int64_t>(1, (keys + wanted - 1) / wanted);
   const int64_t aligned = (step + block_size - 1) / block_size * block_size;
   if (aligned <= cap) step = aligned;
   return {std::max<int64_t>(1, (keys + step - 1) / step), step};
-}
-
-// Most keys an item of `rows` query rows takes: its share of the score budget.
-inline int64_t score_cap(int64_t rows) { return std::max<int64_t>(16, kScoreBudget / rows); }
-
-// Keys per item for a sequence of q_len query tokens and `rows` query rows at `partition`
-// (keys x query tokens per item), within score_cap(rows).
-inline int64_t item_width(int64_t partition, int64_t q_len, int64_t rows) {
-  return std::min(std::max<int64_t>(1, partition / std::max<int64_t>(1, q_len)), score_cap(rows));
 }
 
 // The partition (keys x query tokens per item) for the decode kernel's sequences on `threads`
@@ -1083,7 +1084,7 @@ int64_t plan_partition(const std::vector<Sequence>& seqs, int64_t heads, int64_t
     for (const Sequence& s : seqs) {
       if (s.prefill || s.q_len == 0) continue;
       const int64_t rows = s.q_len * heads, keys = s.seq_len - s.lo, q = s.q_len;
-      const Split split = split_keys(keys, item_width(partition, q, rows), block_size, score_cap(rows));
+      const Split split = split_keys(keys, partition, q, rows, block_size);
       const int64_t merge = split.parts > 1 ? kItemCost : 0;
       for (int64_t part = 0; part < split.parts; ++part) {
         const int64_t n = std::min(split.step, keys - part * split.step);
@@ -1251,8 +1252,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
       s.num_items = 0;
       continue;
     }
-    const int64_t step = split_keys(s.seq_len - s.lo, item_width(partition, s.q_len, rows),
-                                    o.block_size, score_cap(rows)).step;
+    const int64_t step = split_keys(s.seq_len - s.lo, partition, s.q_len, rows, o.block_size).step;
     s.num_items = 0;
     for (int64_t start = s.lo; start < s.seq_len || s.num_items == 0; start += step) {
       items.push_back({b, start, std::min(s.seq_len, start + step), s.num_items});
