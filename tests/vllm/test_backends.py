@@ -1,8 +1,8 @@
 """attn_di's vLLM backends without an engine: vLLM's own cache views, metadata and impl calls.
 
 The caches are made by vLLM's ``create_kv_cache_views`` over one NaN-filled buffer of two
-layers (layer-compact LBNHC, what the backends declare, and block-outermost BLNHC), the way
-vLLM's CPU worker allocates them; only the slots a batch covers are written.
+layers (layer-compact LBHNC and LBNHC, what the backends declare, and block-outermost
+BLNHC), the way vLLM's CPU worker allocates them; only the slots a batch covers are written.
 """
 
 from __future__ import annotations
@@ -100,9 +100,16 @@ def builder(block_size: int) -> AttnDIMetadataBuilder:
     return AttnDIMetadataBuilder(spec, ["layer.0"], VllmConfig(), torch.device("cpu"))
 
 
+def _head_major(layout: KVCacheLayout) -> bool:
+    """Whether ``layout`` keeps a block's heads outside its tokens (H before N in memory)."""
+    return layout.value.index(2) < layout.value.index(3)
+
+
 def test_the_cache_view_is_vllms_memory_page_for_page() -> None:
-    """attn_di's (2, B, N, H, D) view of a vLLM layer cache is the same memory: [0, b, n, h]
-    is vLLM's [b, h, n, :D] and [1, b, n, h] its [b, h, n, D:], in every layout."""
+    """attn_di's (2, B, N, H, D) view of a vLLM layer cache is the same memory, page for page,
+    in every layout: on a head-major page (H before N) [0, b, n, h] is the n-th D-row of page
+    (b, h)'s first half and [1, b, n, h] of its second; on a token-major page vLLM's
+    [b, h, n, :D] and [b, h, n, D:]. vLLM's zeroing of a block zeroes the view's block."""
     for layout in KVCacheLayout:
         cache = vllm_caches(layout, 5, 16, 3, 8, torch.float32)[1]
         view = kv_cache_view(cache)
@@ -110,10 +117,40 @@ def test_the_cache_view_is_vllms_memory_page_for_page() -> None:
         assert view.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
         view[0, 4, 7, 2] = 1.0
         view[1, 4, 7, 2] = 2.0
-        assert torch.equal(cache[4, 2, 7], torch.tensor([1.0] * 8 + [2.0] * 8))
+        if _head_major(layout):
+            page = cache[4, 2].reshape(-1)  # contiguous: a view, no copy
+            assert page.data_ptr() == cache[4, 2, 0].data_ptr()
+            assert torch.equal(page[7 * 8 : 8 * 8], torch.full((8,), 1.0))
+            assert torch.equal(page[(16 + 7) * 8 : (16 + 8) * 8], torch.full((8,), 2.0))
+            assert int(page.isnan().sum()) == 16 * 16 - 16
+        else:
+            assert torch.equal(cache[4, 2, 7], torch.tensor([1.0] * 8 + [2.0] * 8))
+        assert int(cache.isnan().logical_not().sum()) == 16
         cache[3].zero_()  # vLLM's block zeroing of block 3
         assert bool((view[:, 3] == 0).all())
-        assert bool(view[:, 2].isnan().all())
+
+
+def test_head_major_pages_split_as_vllms_cpu_attn_splits_them() -> None:
+    """On LBHNC pages the view's key and value halves are vLLM's own CPU_ATTN's: what vLLM's
+    ``cpu_attn_reshape_and_cache`` (its ``vec`` ISA, float32) writes at a slot is the view's
+    value there, and its key there once the page's key half (vLLM's D-major) is transposed."""
+    from vllm import _custom_ops as vllm_ops
+
+    gen = torch.Generator().manual_seed(3)
+    cache = vllm_caches(KVCacheLayout.LBHNC, 4, 32, 2, 32, torch.float32)[0]
+    slots = torch.tensor([0, 5, 31, 32, 70, 127])
+    keys = torch.randn(6, 2, 32, generator=gen)
+    values = torch.randn(6, 2, 32, generator=gen)
+    pages = cache.view(4, 2, 64, 32)  # vLLM's [B, H, 2N, D], as its CPU_ATTN views it
+    key_cache, value_cache = pages.chunk(2, dim=2)
+    vllm_ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec")
+    view = kv_cache_view(cache)
+    blocks, offsets = slots // 32, slots % 32
+    assert torch.equal(view[1, blocks, offsets], values)
+    key_half = view[0].permute(0, 2, 1, 3)  # [B, H, N, D], row-major in memory
+    assert key_half[0, 0].is_contiguous()
+    vllm_keys = key_half.reshape(4, 2, 32, 32).transpose(-1, -2)  # read as vLLM's [D, N]
+    assert torch.equal(vllm_keys[blocks, :, offsets], keys)
 
 
 def test_the_builder_shares_vllms_tensors_and_counts_real_tokens() -> None:
@@ -169,7 +206,9 @@ RUNS = [
 
 @pytest.mark.parametrize("block_size", [16, 32, 128])
 @pytest.mark.parametrize(
-    "layout", [KVCacheLayout.LBNHC, KVCacheLayout.BLNHC], ids=lambda layout: layout.name
+    "layout",
+    [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLNHC],
+    ids=lambda layout: layout.name,
 )
 @pytest.mark.parametrize(("vllm_backend", "opts"), RUNS)
 def test_forward_on_vllms_cache_matches_the_reference(
@@ -204,10 +243,9 @@ def test_forward_on_vllms_cache_matches_the_reference(
     assert bool((output[real:] == -7.0).all())
     slots = metadata.slot_mapping[:real]
     blocks, offsets = slots // block_size, slots % block_size
-    for token in range(real):
-        page = caches[1][blocks[token], :, offsets[token]]  # [H_kv, 2D]
-        assert torch.equal(page[:, : opts.head_size], batch.key[token])
-        assert torch.equal(page[:, opts.head_size :], batch.value[token])
+    written = kv_cache_view(caches[1])  # what a page holds: test_the_cache_view_is_vllms...
+    assert torch.equal(written[0, blocks, offsets], batch.key[:real])
+    assert torch.equal(written[1, blocks, offsets], batch.value[:real])
     assert torch.equal(caches[0].isnan(), other_before.isnan())
 
 
@@ -293,7 +331,8 @@ def test_warm_up_without_metadata_computes_nothing() -> None:
 def test_capabilities_are_attn_dis(backend: Any) -> None:
     """The layout it reads, vLLM's default block size 128, fp32/bf16, decoder and
     encoder-only attention, and attn_di's reasons for what it cannot run."""
-    assert backend.supported_kv_cache_layouts() == KV_CACHE_LAYOUTS == (KVCacheLayout.LBNHC,)
+    assert backend.supported_kv_cache_layouts() == KV_CACHE_LAYOUTS
+    assert KV_CACHE_LAYOUTS == (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
     assert backend.forward_includes_kv_cache_update
     assert backend.supports_block_size(128)
     assert backend.supports_block_size(16)

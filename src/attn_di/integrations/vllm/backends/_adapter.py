@@ -61,9 +61,13 @@ __all__ = [
     "vllm_backend",
 ]
 
-#: The layouts attn_di's backends read, most preferred first: layer-compact, token-major
-#: blocks (``[L, B, N, H, C]``), the closest to attn_di's own ``(2, B, N, H, D)``.
-KV_CACHE_LAYOUTS: tuple[KVCacheLayout, ...] = (KVCacheLayout.LBNHC,)
+#: The layouts attn_di's backends read, most preferred first: layer-compact, head-major blocks
+#: (``[L, B, H, N, C]``, vLLM's own CPU_ATTN's), then layer-compact, token-major blocks
+#: (``[L, B, N, H, C]``) for a worker whose other backends read only those. :func:`kv_cache_view`
+#: says what a page holds in each. Head-major first: CPU_ATTN's decode over the head-major
+#: interior ran 0.94x vLLM's op at SmolLM2's decode shape with 30 layers' caches out of cache,
+#: against 1.42x over token-major pages (bfloat16, 2 threads; docs/benchmarks.md).
+KV_CACHE_LAYOUTS: tuple[KVCacheLayout, ...] = (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
 
 # The attention types the adapter runs inside vLLM (vLLM's ``AttentionType`` values):
 # decoder self-attention over vLLM's paged cache, and encoder-only self-attention (pooling
@@ -81,16 +85,37 @@ def _attn_type_name(attn_type: Any) -> str:
 def kv_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """attn_di's ``(2, num_blocks, block_size, H_kv, D)`` view of vLLM's per-layer cache.
 
+    vLLM hands each layer ``[num_blocks, H_kv, block_size, 2 * D]``; a page (one block of one
+    KV head) holds ``block_size * 2 * D`` elements, and what they mean is the backend's, as
+    long as the page stays vLLM's unit (block zeroing, copy-on-write of prefix-cache blocks,
+    KV connectors copy whole pages or blocks). Two interiors, told apart by the strides:
+
+    * **Head-major pages** (the page's ``[block_size, 2 * D]`` is contiguous: layouts with H
+      before N, as ``LBHNC``): the page's first ``block_size * D`` elements are its keys,
+      ``[block_size, D]`` row by row, the rest its values, ``[block_size, D]`` likewise. vLLM's
+      own CPU_ATTN splits a page the same way (``vllm/v1/attention/backends/cpu_attn.py``
+      views it as ``[2 * block_size, D]`` and chunks it; its ``vec`` ISA then keeps the key
+      half D-major, the value half as here). Each head's keys are one contiguous run, which
+      a decode streams.
+    * **Token-major pages** (``LBNHC``, ``BLNHC``: tokens outside heads): each token's
+      ``2 * D`` holds its key, then its value (``view[0, b, n, h]`` is ``kv_cache[b, h, n,
+      :D]``, ``view[1, b, n, h]`` its ``[D:]``).
+
     Args:
         kv_cache: vLLM's ``[num_blocks, H_kv, block_size, 2 * D]`` (any strides, last axis
-            contiguous), keys then values in the last axis.
+            contiguous).
 
     Returns:
-        The same memory, axis 0 selecting keys (0) or values (1) with a stride of D
-        elements: ``view[0, b, n, h]`` is ``kv_cache[b, h, n, :D]``.
+        A view of the same memory (no copy): what attn_di's backends write through it lands in
+        vLLM's pages.
     """
-    *outer, content = kv_cache.shape
-    split = kv_cache.view(*outer, 2, content // 2)  # the last axis is contiguous
+    num_blocks, heads, block_size, content = kv_cache.shape
+    size = content // 2
+    page_contiguous = kv_cache.stride(3) == 1 and (block_size <= 1 or kv_cache.stride(2) == content)
+    if page_contiguous:
+        pages = kv_cache.view(num_blocks, heads, 2, block_size, size)  # [B, H, K|V, N, D]
+        return pages.permute(2, 0, 3, 1, 4)
+    split = kv_cache.view(num_blocks, heads, block_size, 2, size)  # the last axis is contiguous
     return split.permute(3, 0, 2, 1, 4)
 
 
