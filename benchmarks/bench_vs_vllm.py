@@ -90,10 +90,22 @@ def vllm_isa(dtype: torch.dtype, shape: Shape, forced: str | None = None) -> str
     return isa
 
 
-def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0, isa: str | None = None) -> Case:
-    """Same keys, values and queries in attn_di's cache and in vLLM's."""
-    import vllm._custom_ops as vllm_ops
+class Batch(NamedTuple):
+    """A shape's random batch: every sequence's keys and values at their slots of a shuffled
+    block table (block 0 unused), its last ``q`` tokens queried."""
 
+    table: torch.Tensor  # [b, blocks per sequence] int32
+    slots: torch.Tensor  # [b * context] int64
+    keys: torch.Tensor  # [b * context, H_kv, D]
+    values: torch.Tensor  # [b * context, H_kv, D]
+    query: torch.Tensor  # [b * q, H, D]
+    seq_lens: torch.Tensor  # [b] int32
+    query_start_loc: torch.Tensor  # [b + 1] int32
+    num_blocks: int
+
+
+def random_batch(shape: Shape, dtype: torch.dtype, seed: int = 0) -> Batch:
+    """The batch of ``shape`` in ``dtype`` drawn from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     b, q, ctx, heads, kv_heads, size, bs = shape
     per_seq = -(-ctx // bs)
@@ -107,10 +119,49 @@ def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0, isa: str | None =
     query = torch.randn(b * q, heads, size, generator=gen).to(dtype)
     seq_lens = torch.full((b,), ctx, dtype=torch.int32)
     query_start_loc = torch.arange(b + 1, dtype=torch.int32) * q
-    scale = size**-0.5
+    return Batch(table, slots, keys, values, query, seq_lens, query_start_loc, num_blocks)
 
-    kv_cache = torch.full((2, num_blocks, bs, kv_heads, size), float("nan"), dtype=dtype)
-    torch.ops.attn_di.write_kv_cache(keys, values, kv_cache[0], kv_cache[1], slots)
+
+def vllm_peer(
+    batch: Batch, shape: Shape, dtype: torch.dtype, isa: str
+) -> tuple[Callable[[], None], torch.Tensor]:
+    """vLLM's op over its own cache of ``batch`` (written by ``cpu_attn_reshape_and_cache``
+    for ``isa``, scheduler metadata built once): the call and the output it writes."""
+    import vllm._custom_ops as vllm_ops
+
+    b, _, _, heads, kv_heads, size, bs = shape
+    packed = torch.zeros(batch.num_blocks, kv_heads, 2 * bs, size, dtype=dtype)
+    key_cache, value_cache = packed.chunk(2, dim=2)
+    vllm_ops.cpu_attn_reshape_and_cache(
+        batch.keys, batch.values, key_cache, value_cache, batch.slots, isa
+    )
+    starts, seq_lens = batch.query_start_loc, batch.seq_lens
+    metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
+        b, heads, kv_heads, size, seq_lens, dtype, starts, True, -1, isa, True
+    )
+    out = torch.empty_like(batch.query)
+
+    def run() -> None:
+        vllm_ops.cpu_attention_with_kv_cache(
+            batch.query, key_cache, value_cache, out, starts, seq_lens, size**-0.5, True,
+            None, -1, batch.table, 0.0, metadata, None,
+        )  # fmt: skip
+
+    return run, out
+
+
+def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0, isa: str | None = None) -> Case:
+    """Same keys, values and queries in attn_di's cache and in vLLM's."""
+    batch = random_batch(shape, dtype, seed)
+    b, q, ctx, _, kv_heads, size, bs = shape
+    table, seq_lens, query_start_loc, query = (
+        batch.table, batch.seq_lens, batch.query_start_loc, batch.query,
+    )  # fmt: skip
+    scale = size**-0.5
+    kv_cache = torch.full((2, batch.num_blocks, bs, kv_heads, size), float("nan"), dtype=dtype)
+    torch.ops.attn_di.write_kv_cache(
+        batch.keys, batch.values, kv_cache[0], kv_cache[1], batch.slots
+    )
     ours_out = torch.empty_like(query)
 
     def run_ours() -> None:
@@ -120,23 +171,10 @@ def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0, isa: str | None =
         )  # fmt: skip
 
     isa = vllm_isa(dtype, shape, isa)
-    packed = torch.zeros(num_blocks, kv_heads, 2 * bs, size, dtype=dtype)
-    key_cache, value_cache = packed.chunk(2, dim=2)
-    vllm_ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
-    metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
-        b, heads, kv_heads, size, seq_lens, dtype, query_start_loc, True, -1, isa, True
-    )
-    vllm_out = torch.empty_like(query)
-
-    def run_vllm() -> None:
-        vllm_ops.cpu_attention_with_kv_cache(
-            query, key_cache, value_cache, vllm_out, query_start_loc, seq_lens, scale, True,
-            None, -1, table, 0.0, metadata, None,
-        )  # fmt: skip
-
-    reference = reference_attention(query, keys, values, shape)
-    flops = 4.0 * b * heads * size * sum(ctx - q + i + 1 for i in range(q))
-    kv_bytes = 2.0 * b * ctx * kv_heads * size * keys.element_size()
+    run_vllm, vllm_out = vllm_peer(batch, shape, dtype, isa)
+    reference = reference_attention(query, batch.keys, batch.values, shape)
+    flops = 4.0 * b * shape.heads * size * sum(ctx - q + i + 1 for i in range(q))
+    kv_bytes = 2.0 * b * ctx * kv_heads * size * batch.keys.element_size()
     words = kv_cache.view(torch.float32) if dtype != torch.float32 else kv_cache
     return Case(run_ours, run_vllm, words.sum, ours_out, vllm_out, reference, flops, kv_bytes, isa)
 
