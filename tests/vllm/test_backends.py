@@ -105,6 +105,24 @@ def _head_major(layout: KVCacheLayout) -> bool:
     return layout.value.index(2) < layout.value.index(3)
 
 
+def _page_entry(
+    cache: torch.Tensor, layout: KVCacheLayout, block: int, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[H_kv, D]`` key and value of slot ``(block, offset)`` read from vLLM's raw pages
+    (not through ``kv_cache_view``): on a contiguous page (a head-major layout, or one KV
+    head in any layout) the offset-th D-row of each head's first half and of its second; on
+    a token-major page the token's ``[:D]`` and ``[D:]``."""
+    _, kv_heads, block_size, content = cache.shape
+    size = content // 2
+    if _head_major(layout) or kv_heads == 1:
+        pages = cache[block].reshape(cache.shape[1], -1)  # [H_kv, N * 2D], contiguous pages
+        keys = pages[:, offset * size : (offset + 1) * size]
+        values = pages[:, (block_size + offset) * size : (block_size + offset + 1) * size]
+        return keys, values
+    row = cache[block, :, offset]  # [H_kv, 2D]
+    return row[:, :size], row[:, size:]
+
+
 def test_the_cache_view_is_vllms_memory_page_for_page() -> None:
     """attn_di's (2, B, N, H, D) view of a vLLM layer cache is the same memory, page for page,
     in every layout: on a head-major page (H before N) [0, b, n, h] is the n-th D-row of page
@@ -120,14 +138,14 @@ def test_the_cache_view_is_vllms_memory_page_for_page() -> None:
         if _head_major(layout):
             page = cache[4, 2].reshape(-1)  # contiguous: a view, no copy
             assert page.data_ptr() == cache[4, 2, 0].data_ptr()
-            assert torch.equal(page[7 * 8 : 8 * 8], torch.full((8,), 1.0))
-            assert torch.equal(page[(16 + 7) * 8 : (16 + 8) * 8], torch.full((8,), 2.0))
             assert int(page.isnan().sum()) == 16 * 16 - 16
-        else:
-            assert torch.equal(cache[4, 2, 7], torch.tensor([1.0] * 8 + [2.0] * 8))
+        key, value = _page_entry(cache, layout, 4, 7)
+        assert torch.equal(key[2], torch.full((8,), 1.0))
+        assert torch.equal(value[2], torch.full((8,), 2.0))
         assert int(cache.isnan().logical_not().sum()) == 16
         cache[3].zero_()  # vLLM's block zeroing of block 3
         assert bool((view[:, 3] == 0).all())
+        assert bool(view[:, 2].isnan().all())
 
 
 def test_head_major_pages_split_as_vllms_cpu_attn_splits_them() -> None:
@@ -243,9 +261,10 @@ def test_forward_on_vllms_cache_matches_the_reference(
     assert bool((output[real:] == -7.0).all())
     slots = metadata.slot_mapping[:real]
     blocks, offsets = slots // block_size, slots % block_size
-    written = kv_cache_view(caches[1])  # what a page holds: test_the_cache_view_is_vllms...
-    assert torch.equal(written[0, blocks, offsets], batch.key[:real])
-    assert torch.equal(written[1, blocks, offsets], batch.value[:real])
+    for token in range(real):
+        key, value = _page_entry(caches[1], layout, int(blocks[token]), int(offsets[token]))
+        assert torch.equal(key, batch.key[token])
+        assert torch.equal(value, batch.value[token])
     assert torch.equal(caches[0].isnan(), other_before.isnan())
 
 

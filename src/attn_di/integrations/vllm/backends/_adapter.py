@@ -64,9 +64,10 @@ __all__ = [
 #: The layouts attn_di's backends read, most preferred first: layer-compact, head-major blocks
 #: (``[L, B, H, N, C]``, vLLM's own CPU_ATTN's), then layer-compact, token-major blocks
 #: (``[L, B, N, H, C]``) for a worker whose other backends read only those. :func:`kv_cache_view`
-#: says what a page holds in each. Head-major first: CPU_ATTN's decode over the head-major
-#: interior ran 0.94x vLLM's op at SmolLM2's decode shape with 30 layers' caches out of cache,
-#: against 1.42x over token-major pages (bfloat16, 2 threads; docs/benchmarks.md).
+#: says what a page holds in each. Head-major first: CPU_ATTN's bfloat16 decode over the
+#: head-major interior ran 1.03-1.04x vLLM's op at SmolLM2's decode shape with 30 layers'
+#: caches out of cache, against 1.38-1.50x over token-major pages (1 and 2 threads;
+#: ``benchmarks/bench_vllm_layouts.py``, docs/benchmarks.md).
 KV_CACHE_LAYOUTS: tuple[KVCacheLayout, ...] = (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
 
 # The attention types the adapter runs inside vLLM (vLLM's ``AttentionType`` values):
@@ -91,15 +92,15 @@ def kv_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
     KV connectors copy whole pages or blocks). Two interiors, told apart by the strides:
 
     * **Head-major pages** (the page's ``[block_size, 2 * D]`` is contiguous: layouts with H
-      before N, as ``LBHNC``): the page's first ``block_size * D`` elements are its keys,
-      ``[block_size, D]`` row by row, the rest its values, ``[block_size, D]`` likewise. vLLM's
-      own CPU_ATTN splits a page the same way (``vllm/v1/attention/backends/cpu_attn.py``
-      views it as ``[2 * block_size, D]`` and chunks it; its ``vec`` ISA then keeps the key
-      half D-major, the value half as here). Each head's keys are one contiguous run, which
-      a decode streams.
-    * **Token-major pages** (``LBNHC``, ``BLNHC``: tokens outside heads): each token's
-      ``2 * D`` holds its key, then its value (``view[0, b, n, h]`` is ``kv_cache[b, h, n,
-      :D]``, ``view[1, b, n, h]`` its ``[D:]``).
+      before N, as ``LBHNC``, and any layout with one KV head): the page's first
+      ``block_size * D`` elements are its keys, ``[block_size, D]`` row by row, the rest its
+      values, ``[block_size, D]`` likewise. vLLM's own CPU_ATTN splits a page the same way
+      (``vllm/v1/attention/backends/cpu_attn.py`` views it as ``[2 * block_size, D]`` and
+      chunks it; its ``vec`` ISA then keeps the key half D-major, the value half as here).
+      Each head's keys are one contiguous run, which a decode streams.
+    * **Token-major pages** (``LBNHC``, ``BLNHC`` with several KV heads: a page's tokens
+      ``H_kv * 2 * D`` apart): each token's ``2 * D`` holds its key, then its value
+      (``view[0, b, n, h]`` is ``kv_cache[b, h, n, :D]``, ``view[1, b, n, h]`` its ``[D:]``).
 
     Args:
         kv_cache: vLLM's ``[num_blocks, H_kv, block_size, 2 * D]`` (any strides, last axis
