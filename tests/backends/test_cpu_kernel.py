@@ -298,7 +298,13 @@ def test_kernel_status_says_how_bfloat16_is_computed() -> None:
     status = _cpu_kernel.kernel_status()
     assert status.bfloat16 is not None
     decode, prefill = status.bfloat16.split("; ")
-    if status.isa == "avx512_bf16":
+    if status.isa == "amx":
+        assert decode in (
+            "decode: AMX tiles (AVX512_BF16 dot products where D is no multiple of 32)",
+            # the build runs where Linux refuses the tile state, and says so
+            *([decode] if decode.startswith("decode: AVX512_BF16 dot products (no AMX: ") else []),
+        )
+    elif status.isa == "avx512_bf16":
         assert decode == "decode: AVX512_BF16 dot products"
     else:
         assert decode == "decode: float32 FMA on converted rows"
@@ -309,11 +315,16 @@ def test_kernel_status_says_how_bfloat16_is_computed() -> None:
 
 
 def test_the_best_build_follows_torch_and_the_cpu_flags(mocker: MockerFixture) -> None:
-    """AVX512_BF16 where torch dispatches to AVX-512 and the CPU reports avx512_bf16; torch's
-    own set otherwise (ATEN_CPU_CAPABILITY=avx2 gives avx2 on any CPU)."""
+    """AMX where torch dispatches to AVX-512 and the CPU reports AMX tiles with bfloat16 and
+    avx512_bf16; AVX512_BF16 where it reports avx512_bf16; torch's own set otherwise
+    (ATEN_CPU_CAPABILITY=avx2 gives avx2 on any CPU)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the x86 builds")
+    amx = {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
     for capability, flags, best in (
+        ("AVX512", amx, "amx"),
+        ("AVX512", amx - {"amx_bf16"}, "avx512_bf16"),  # AMX-INT8 alone (no bfloat16 tiles)
+        ("AVX2", amx, "avx2"),
         ("AVX512", {"avx512f", "avx512_bf16"}, "avx512_bf16"),
         ("AVX512", {"avx512f"}, "avx512"),
         ("AVX2", {"avx512f", "avx512_bf16"}, "avx2"),
@@ -351,7 +362,9 @@ def test_kernel_is_built_for_torchs_instruction_set() -> None:
     status = _cpu_kernel.kernel_status()
     capability = torch.backends.cpu.get_cpu_capability().lower()
     expected = capability if capability in ("avx2", "avx512") else "default"
-    if expected == "avx512" and "avx512_bf16" in _linux_cpu_flags():
+    if expected == "avx512" and {"avx512_bf16", "amx_tile", "amx_bf16"} <= _linux_cpu_flags():
+        expected = "amx"
+    elif expected == "avx512" and "avx512_bf16" in _linux_cpu_flags():
         expected = "avx512_bf16"
 
     assert status.isa == expected

@@ -208,7 +208,8 @@ _OTHER_BUILDS = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
     "portable": {"ATEN_CPU_CAPABILITY": "default"},
     "no-amx": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
-    "avx512": {"ATTN_DI_CPU_KERNEL_ISA": "avx512"},  # where the best is avx512_bf16
+    "avx512": {"ATTN_DI_CPU_KERNEL_ISA": "avx512"},  # where the best is avx512_bf16 or amx
+    "avx512_bf16": {"ATTN_DI_CPU_KERNEL_ISA": "avx512_bf16"},  # where the best is amx
 }
 
 
@@ -220,8 +221,10 @@ def test_other_builds_match_reference(build: str) -> None:
     capability = torch.backends.cpu.get_cpu_capability().lower()
     if build == "avx2" and capability not in ("avx2", "avx512"):
         pytest.skip(f"this CPU has no AVX2 ({capability})")
-    if build == "avx512" and _cpu_kernel.kernel_status().isa != "avx512_bf16":
+    if build == "avx512" and _cpu_kernel.kernel_status().isa not in ("avx512_bf16", "amx"):
         pytest.skip("the AVX-512 build without AVX512_BF16 is this CPU's best build or not run")
+    if build == "avx512_bf16" and _cpu_kernel.kernel_status().isa != "amx":
+        pytest.skip("the AVX512_BF16 build is this CPU's best build or not run")
     env = {**os.environ, **_OTHER_BUILDS[build]}
     probe = subprocess.run(
         [sys.executable, "-c", "from attn_di.backends import _cpu_kernel; "
@@ -230,7 +233,9 @@ def test_other_builds_match_reference(build: str) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     native = _cpu_kernel.kernel_status().isa
-    expected_isa = {"avx2": "avx2", "portable": "default", "avx512": "avx512"}.get(build, native)
+    expected_isa = {
+        "avx2": "avx2", "portable": "default", "avx512": "avx512", "avx512_bf16": "avx512_bf16",
+    }.get(build, native)  # fmt: skip
     assert probe.stdout.split() == [expected_isa, expected_isa], probe.stdout + probe.stderr
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",

@@ -10,9 +10,11 @@ later runs without the compiler. ``scripts/setup.sh`` builds it ahead
 (``python -m attn_di.backends._cpu_kernel build``).
 
 One build per instruction set, chosen by what torch itself dispatches to on this CPU
-(``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, or the portable default) and
-compiled with exactly that set's flags (never ``-march=native``), so a cache directory shared
-by AVX2-only and AVX-512 machines holds both and each loads its own. The directory name
+(``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, or the portable default) and the
+CPU's own flags on top of AVX-512 (``avx512_bf16``: its bfloat16 dot products; ``amx``: AMX
+tiles as well, for bfloat16 decode), compiled with exactly that set's flags (never
+``-march=native``), so a cache directory shared by AVX2-only, AVX-512 and AMX machines holds
+each and each loads its own. The directory name
 carries a hash of the source, the flags and torch's version: a change rebuilds. Its
 ``built`` stamp records the library's size and SHA-256, checked before each load: a damaged
 library is rebuilt (or, without a compiler, never loaded). Processes sharing the cache build
@@ -84,11 +86,16 @@ ENV_CACHE = "ATTN_DI_KERNEL_CACHE"
 
 _DIRECTORY = Path(__file__).parent
 #: The kernel library's sources: the op, its checks and the decode kernel; the prefill kernel;
-#: what they share. A change to any of them rebuilds.
-_SOURCES = tuple(_DIRECTORY / name for name in ("paged_attention.cpp", "prefill.cpp", "kernel.h"))
+#: what they share; the AMX primitives. A change to any of them rebuilds.
+_SOURCES = tuple(
+    _DIRECTORY / name for name in ("paged_attention.cpp", "prefill.cpp", "kernel.h", "amx.h")
+)
 _COMMON_FLAGS = ("-O3", "-fopenmp")
 # Flags per torch CPU capability, as torch compiles its own kernels for each (x86-64 only).
 _ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "amx": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+            "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DCPU_CAPABILITY=AVX512",
+            "-DCPU_CAPABILITY_AVX512", "-DATTN_DI_AVX512_BF16", "-DATTN_DI_AMX"),
     "avx512_bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                     "-mavx512bf16", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
                     "-DATTN_DI_AVX512_BF16"),
@@ -99,8 +106,9 @@ _ISA_FLAGS: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 #: The instruction sets a build can target.
 ISAS = tuple(_ISA_FLAGS)
-#: The builds from best to most portable: a CPU that runs one runs every later one.
-_ISA_ORDER = ("avx512_bf16", "avx512", "avx2", "default")
+#: The builds from best to most portable: a CPU that runs one runs every later one (AMX
+#: machines have AVX512_BF16: Sapphire Rapids and later).
+_ISA_ORDER = ("amx", "avx512_bf16", "avx512", "avx2", "default")
 #: Forces a build this CPU runs (one of :data:`ISAS`); unset: the best (``_best_isa``).
 ENV_ISA = "ATTN_DI_CPU_KERNEL_ISA"
 
@@ -111,12 +119,14 @@ class KernelStatus:
 
     Attributes:
         active: whether the compiled decode and prefill kernels are loaded and used.
-        isa: the instruction set the kernel was built for (``avx512_bf16``: AVX-512 with
-            its bfloat16 dot products; ``avx512``, ``avx2``, ``default``), or None when
-            inactive. The best this CPU runs unless ``ATTN_DI_CPU_KERNEL_ISA`` names another.
+        isa: the instruction set the kernel was built for (``amx``: AVX-512 with AMX-BF16
+            tiles for bfloat16 decode; ``avx512_bf16``: AVX-512 with its bfloat16 dot
+            products; ``avx512``, ``avx2``, ``default``), or None when inactive. The best
+            this CPU runs unless ``ATTN_DI_CPU_KERNEL_ISA`` names another.
         reason: one line: where the library came from, or why it is not used.
         library: the loaded shared library, or None.
-        bfloat16: how bfloat16 attention is computed on this CPU (the decode kernel's scores,
+        bfloat16: how bfloat16 attention is computed on this CPU (the decode kernel's tiles
+            or dot products, and why not the tiles where the ``amx`` build cannot use them;
             the prefill kernel's GEMMs: AMX tiles where torch's oneDNN has them), or None
             when inactive.
     """
@@ -265,7 +275,7 @@ def build(isa: str | None = None, verbose: bool = False, force: bool = False) ->
     ``rename``, so no process ever sees (or deletes) a half-made build.
 
     Args:
-        isa: ``avx512``, ``avx2`` or ``default``; None: what torch dispatches to here.
+        isa: one of :data:`ISAS`; None: the best this CPU runs (``_native_isa``).
         verbose: show the compiler's command lines and output.
         force: rebuild even if a good build is there.
 
@@ -595,21 +605,29 @@ def _native_isa() -> str:
 
 
 def _best_isa() -> str:
-    """``avx512_bf16`` where torch dispatches to AVX-512 and the CPU has AVX512_BF16, else
-    ``avx512`` / ``avx2`` as torch's own dispatch on this CPU, else ``default``."""
+    """``amx`` where torch dispatches to AVX-512 and the CPU has AMX tiles with bfloat16
+    (Linux's ``amx_tile`` and ``amx_bf16`` flags) and AVX512_BF16; ``avx512_bf16`` where it has
+    AVX512_BF16; else ``avx512`` / ``avx2`` as torch's own dispatch on this CPU, else
+    ``default``. (The ``amx`` build still asks Linux for the tile state when it loads; where
+    that is refused it says so in :attr:`KernelStatus.bfloat16` and computes as
+    ``avx512_bf16`` does.)"""
     import torch
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "default"
     capability = torch.backends.cpu.get_cpu_capability().lower()
-    if capability == "avx512" and "avx512_bf16" in _cpu_flags():
+    flags = _cpu_flags()
+    if capability == "avx512" and {"avx512_bf16", "amx_tile", "amx_bf16"} <= flags:
+        return "amx"
+    if capability == "avx512" and "avx512_bf16" in flags:
         return "avx512_bf16"
     return capability if capability in ("avx512", "avx2") else "default"
 
 
 def _cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux reports them (``/proc/cpuinfo``); empty elsewhere,
-    where the AVX512_BF16 build is never chosen by itself (set ``ATTN_DI_CPU_KERNEL_ISA``)."""
+    where the AMX and AVX512_BF16 builds are never chosen by themselves (set
+    ``ATTN_DI_CPU_KERNEL_ISA``)."""
     global _FLAGS
     if _FLAGS is None:
         try:

@@ -56,6 +56,13 @@ CacheView<T> cache_view(const at::Tensor& cache) {
   return {cache.const_data_ptr<T>(), cache.stride(0), cache.stride(1), cache.stride(2)};
 }
 
+// Every cache line of [start, start + bytes) ahead of use, for reading (or writing).
+template <bool kWrite = false>
+inline void prefetch_lines(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, kWrite ? 1 : 0, 3);
+}
+
 // n values as float32 into `dst`.
 template <typename T>
 inline void convert_head(const T* src, int64_t n, float* dst) {

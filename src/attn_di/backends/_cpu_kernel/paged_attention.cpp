@@ -36,6 +36,7 @@
 // Accumulation is float32 whatever the cache dtype.
 
 #include "kernel.h"
+#include "amx.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
@@ -60,11 +61,22 @@ constexpr int64_t kMinPartition = 256;
 // partition planner weighs against a better balance (plan_partition).
 constexpr int64_t kItemCost = 64;
 
+// The AMX path (run_item_amx) takes an item whose query rows per KV head times D (the
+// AVX512_BF16 dot products' work per key, which AMX does at a flat cost up to 16 rows) is at
+// least this: bench_vs_vllm on the Xeon with AMX, 2 threads, alternating processes, AMX /
+// AVX512_BF16 ms: speculative B8 x 4 (16 rows of 128) 3.42 / 8.25, decode B8 x 2048 (4 rows of
+// 128) 2.15 / 2.32, SmolLM2 decode (3 rows of 64) 0.14 / 0.12.
+constexpr int64_t kAmxMinRowWork = 512;
+
 // Tokens per tile: rows whose pointers are resolved together and read register-blocked.
 constexpr int64_t kTile = 16;
 // Longest query (tokens per sequence) the decode kernel takes; longer ones, and non-causal
 // queries of more than one token, go to the prefill kernel (prefill.cpp).
 constexpr int64_t kDecodeMaxQuery = 16;
+
+// Decode items run in this process: [0] on AMX tiles, [1] on vector registers (decode_items(),
+// for tests that ask which path ran).
+std::atomic<int64_t> g_item_counts[2] = {0, 0};
 
 struct Sequence {
   int64_t first_query, q_len, seq_len, lo;  // lo: first key any of its queries sees
@@ -484,6 +496,13 @@ struct Scratch {
   std::vector<c10::BFloat16> raw_queries;  // bfloat16 queries as given, for score_tile_bf16
   std::vector<uint32_t> prob_pairs;  // a tile's bfloat16 probability pairs, for value_tile_bf16
   const float* staged[kTile];  // rows of `stage`, as score_tile / value_tile take them
+  // The AMX path (run_item_amx): queries as B tiles, probabilities as A tiles, one chunk of
+  // value rows as B tiles, key rows gathered where a tile's 16 rows are not equally spaced,
+  // and tiles stored back as float32.
+  std::vector<uint32_t> query_tiles, prob_tiles;
+  std::vector<c10::BFloat16> value_tiles, key_gather;
+  std::vector<float> tile_out, out_tiles;
+  std::vector<int32_t> col_rows;
 
   static Scratch& of_this_thread() {
     thread_local Scratch scratch;
@@ -555,6 +574,7 @@ struct Kernel {
   float* partial_acc;  // [rows, D] per partial row
   float* partial_max;  // [rows]
   float* partial_sum;  // [rows]
+  bool amx = false;    // bfloat16 items run on AMX tiles (run_item_amx)
 
   // One KV head's rows of a tile (D values each, `offset` into each token row) for the
   // register-blocked tiles: in place for float32; for bfloat16/float16 converted once into
@@ -587,7 +607,274 @@ struct Kernel {
     return view.row(table[seq * table_stride + pos / bs], pos % bs);
   }
 
+
+#if defined(ATTN_DI_AMX)
+  // run_item on AMX tiles (bfloat16 caches, D a multiple of 32; see amx.h). The same two
+  // passes and the same score layout as run_item, with the tiles in place of the dot products.
+  // A job is one KV head g and one chunk of 16 of its M = q_len x G query rows (column m =
+  // i * G + h: query token i, head h of the group).
+  //  - pass 1, per 16 keys, four jobs at a time: S^T = K Q^T. The key rows are the A operand,
+  //    loaded straight from the cache where the 16 rows are one block's consecutive slots
+  //    (else gathered, zeros past the item); the jobs' query rows are B tiles packed once.
+  //    Every (key, query row) pair of the item is computed, then the pairs a row may not see
+  //    get -inf: every key of an item is a written slot some query row sees (its range starts
+  //    at the window's first visible key), so nothing masked is garbage, and it never reaches
+  //    a product after the softmax (probability 0).
+  //  - pass 2, per 64 keys and job: O += P V. P (bfloat16, as pack_probability_pairs rounds
+  //    it) is transposed into two A tiles; head g's 64 value rows are interleaved once into B
+  //    tiles (zeros past the item); O lives in out_tiles, two C tiles of 16 columns of D at a
+  //    time loaded, multiplied by both halves and stored back.
+  // Accumulation is float32 as on every path (TDPBF16PS: exact bfloat16 products, float32 sums).
+  void run_item_amx(const Item& item, Scratch& sc) const {
+    const Sequence& s = (*seqs)[item.seq];
+    const int64_t H = o.heads, G = o.group, D = o.head_size, KV = o.kv_heads;
+    const int64_t rows = s.q_len * H;
+    const int64_t n = item.stop - item.start;
+    const int64_t M = s.q_len * G;           // query rows per KV head (tile columns)
+    const int64_t chunks = (M + 15) / 16;    // of 16 columns
+    const int64_t pairs_per_row = D / 2;     // 32-bit words of a query row
+    const int64_t width = chunks * 16;       // columns of sc.tile_out in pass 1
+    // Query row m of KV head g is row r = (m / G) * H + g * G + m % G of the item.
+    auto row_of = [&](int64_t g, int64_t m) { return (m / G) * H + g * G + m % G; };
+    sc.scores.resize(rows * n);
+    sc.acc.assign(rows * D, 0.f);
+    sc.row_max.assign(rows, kNegInf);
+    sc.row_sum.assign(rows, 0.f);
+    float* scores = sc.scores.data();
+    float* acc = sc.acc.data();
+
+    // Queries as B tiles: query_tiles[((g * chunks + c) * D/2 + p) * 16 + col] is the pair
+    // (q[2p], q[2p + 1]) of column c * 16 + col (zeros past M): per 32 values of D, the
+    // chunk's query rows transposed as 32-bit words.
+    sc.query_tiles.resize(KV * chunks * pairs_per_row * 16);
+    for (int64_t g = 0; g < KV; ++g)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t cols = std::min<int64_t>(16, M - c * 16);
+        const T* src[16];
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t m = c * 16 + col;
+          src[col] = query + (s.first_query + m / G) * q_stride0 + (g * G + m % G) * q_stride1;
+        }
+        uint32_t* dst = sc.query_tiles.data() + (g * chunks + c) * pairs_per_row * 16;
+        for (int64_t kc = 0; kc < D / 32; ++kc) {
+          __m512i r[16];
+          for (int64_t col = 0; col < 16; ++col)
+            r[col] = col < cols ? _mm512_loadu_si512(src[col] + kc * 32) : _mm512_setzero_si512();
+          transpose_16x16(r);
+          for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(dst + (kc * 16 + p) * 16, r[p]);
+        }
+      }
+
+    configure_tiles();
+    sc.key_gather.resize(KV * 16 * D);
+    sc.tile_out.resize(std::max<int64_t>(KV * 16 * width, 16 * 32));
+    float* tile_out = sc.tile_out.data();
+    const int64_t bs = o.block_size;
+    const int64_t jobs = KV * chunks;  // (KV head, column chunk) pairs, four C tiles at a time
+    const int64_t words_per_chunk = pairs_per_row * 16;
+    // Pass 1: scores (scores[j * rows + r], scaled).
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t nt = std::min<int64_t>(16, n - j0);
+      for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
+        prefetch_row(key_row(keys, s, item.seq, item.start + t), KV, D, keys.head_stride);
+      const int64_t pos = item.start + j0;
+      // The A operand of head g: its 16 key rows in place where they are one block's
+      // consecutive slots, else gathered (zeros past the item).
+      const T* a_base = key_row(keys, s, item.seq, pos);
+      int64_t a_head = keys.head_stride, a_stride = keys.token_stride * 2;  // elements, bytes
+      if (nt < 16 || pos / bs != (pos + 15) / bs) {
+        c10::BFloat16* gather = sc.key_gather.data();
+        for (int64_t t = 0; t < 16; ++t) {
+          const T* row = t < nt ? key_row(keys, s, item.seq, pos + t) : nullptr;
+          for (int64_t g = 0; g < KV; ++g) {
+            c10::BFloat16* dst = gather + (g * 16 + t) * D;
+            if (row) std::memcpy(dst, row + g * keys.head_stride, D * 2);
+            else std::memset(dst, 0, D * 2);
+          }
+        }
+        a_base = gather;
+        a_head = 16 * D;
+        a_stride = D * 2;
+      }
+      // Job J = g * chunks + c: C tile J % 4; operands in tmm4/5 (even J) or tmm6/7 (odd),
+      // so one job's tiles load while the previous job's product runs.
+      for (int64_t j = 0; j < jobs; j += 4) {
+        const int64_t count = std::min<int64_t>(4, jobs - j);
+        _tile_zero(0);
+        if (count > 1) _tile_zero(1);
+        if (count > 2) _tile_zero(2);
+        if (count > 3) _tile_zero(3);
+        for (int64_t kc = 0; kc < D / 32; ++kc) {
+          auto a = [&](int64_t job) { return a_base + (job / chunks) * a_head + kc * 32; };
+          auto b = [&](int64_t job) { return sc.query_tiles.data() + job * words_per_chunk + kc * 256; };
+          _tile_loadd(4, a(j), a_stride);
+          _tile_loadd(5, b(j), 64);
+          _tile_dpbf16ps(0, 4, 5);
+          if (count > 1) {
+            _tile_loadd(6, a(j + 1), a_stride);
+            _tile_loadd(7, b(j + 1), 64);
+            _tile_dpbf16ps(1, 6, 7);
+          }
+          if (count > 2) {
+            _tile_loadd(4, a(j + 2), a_stride);
+            _tile_loadd(5, b(j + 2), 64);
+            _tile_dpbf16ps(2, 4, 5);
+          }
+          if (count > 3) {
+            _tile_loadd(6, a(j + 3), a_stride);
+            _tile_loadd(7, b(j + 3), 64);
+            _tile_dpbf16ps(3, 6, 7);
+          }
+        }
+        // tile_out[(g * 16 + t) * width + m]: head g's scores of key t, its M columns adjacent.
+        auto out = [&](int64_t job) { return tile_out + (job / chunks) * 16 * width + (job % chunks) * 16; };
+        const int64_t out_stride = width * 4;
+        _tile_stored(0, out(j), out_stride);
+        if (count > 1) _tile_stored(1, out(j + 1), out_stride);
+        if (count > 2) _tile_stored(2, out(j + 2), out_stride);
+        if (count > 3) _tile_stored(3, out(j + 3), out_stride);
+      }
+      // Columns i * G .. i * G + G - 1 of head g are the rows i * H + g * G .. of the scores.
+      const fVec scale(o.scale);
+      for (int64_t t = 0; t < nt; ++t)
+        for (int64_t g = 0; g < KV; ++g)
+          for (int64_t i = 0; i < s.q_len; ++i) {
+            const float* src = tile_out + (g * 16 + t) * width + i * G;
+            float* dst = scores + (j0 + t) * rows + i * H + g * G;
+            for (int64_t h = 0; h < G; h += kLanes) {
+              const int64_t left = std::min<int64_t>(kLanes, G - h);
+              (fVec::loadu(src + h, left) * scale).store(dst + h, left);
+            }
+          }
+      const bool full = full_tile(s, o, pos, nt);
+      if (full && o.soft_cap == 0.f && o.alibi == nullptr) continue;
+      for (int64_t t = 0; t < nt; ++t) {
+        int64_t i_lo = 0, i_hi = s.q_len;
+        if (!full) visible_rows(s, o, pos + t, i_lo, i_hi);
+        float* sj = scores + (j0 + t) * rows;
+        const int64_t r_lo = i_lo * H, r_hi = std::max(i_lo, i_hi) * H;
+        std::fill(sj, sj + r_lo, kNegInf);
+        std::fill(sj + r_hi, sj + rows, kNegInf);
+        if (r_lo < r_hi) modify_scores(s, item, sj, j0 + t, r_lo, r_hi);
+      }
+    }
+    softmax_numerators(scores, n, rows, sc.row_max.data(), sc.row_sum.data(), sc.pattern);
+    pack_probability_pairs(scores, n, rows, sc.prob_pairs);
+    const int64_t npairs = (n + 1) / 2;
+    const int64_t tiles_d = D / 16;  // C / B tiles across D
+    const uint32_t* pairs = sc.prob_pairs.data();
+    // O per job (KV head, column chunk), its columns of D in tile order (see below):
+    // out_tiles[(job * 16 + col) * D + p], float32.
+    sc.out_tiles.assign(jobs * 16 * D, 0.f);
+    // One KV head's 64 value rows as B tiles: value_tiles[((half * tiles_d + q) * 16 + u) * 32
+    // + 2e + b] is value row 32 half + 2u + b at the D column of tile position 16q + e (zeros
+    // past the item).
+    sc.value_tiles.resize(2 * tiles_d * 512);
+    sc.prob_tiles.resize(2 * 256);
+    uint32_t* prob_tiles = sc.prob_tiles.data();
+    c10::BFloat16* value_tiles = sc.value_tiles.data();
+    float* out_tiles = sc.out_tiles.data();
+    // The jobs' query rows (row_of), for gathering their probability pairs.
+    sc.col_rows.assign(jobs * 16, 0);
+    for (int64_t g = 0; g < KV; ++g)
+      for (int64_t m = 0; m < M; ++m) sc.col_rows[(g * chunks + m / 16) * 16 + m % 16] = static_cast<int32_t>(row_of(g, m));
+    // Pass 2: O += P V, 64 keys at a time; per KV head its 64 value rows interleaved once into
+    // B tiles that stay in L1 (VPUNPCKLWD / VPUNPCKHWD: pairs (x[d], y[d]) of two rows within
+    // 128-bit lanes, so a tile's 16 columns are D columns 8L + e and 8L + 4 + e; out_tiles
+    // keeps that order until the item's end); per job, its two 32-key A tiles, and O two tiles
+    // of 16 columns at a time, loaded, multiplied by both halves and stored back.
+    for (int64_t k0 = 0; k0 < n; k0 += 64) {
+      for (int64_t t = k0 + 64; t < std::min(n, k0 + 128); ++t)
+        prefetch_row(key_row(values, s, item.seq, item.start + t), KV, D, values.head_stride);
+      const bool second_half = k0 + 32 < n;
+      for (int64_t job = 0; job < jobs; ++job) {
+        const int64_t g = job / chunks, c = job % chunks;
+        if (c == 0)  // head g's 64 value rows, interleaved into L1-resident B tiles
+          for (int64_t u = 0; u < 32; ++u) {  // pairs of keys: half u / 16, row u % 16
+            const int64_t j = k0 + 2 * u;
+            const T* x = j < n ? key_row(values, s, item.seq, item.start + j) + g * values.head_stride : nullptr;
+            const T* y = j + 1 < n ? key_row(values, s, item.seq, item.start + j + 1) + g * values.head_stride : nullptr;
+            c10::BFloat16* dst = value_tiles + ((u / 16) * tiles_d * 16 + u % 16) * 32;
+            for (int64_t q = 0; q < tiles_d; q += 2) {
+              const __m512i xv = x ? _mm512_loadu_si512(x + 16 * q) : _mm512_setzero_si512();
+              const __m512i yv = y ? _mm512_loadu_si512(y + 16 * q) : _mm512_setzero_si512();
+              _mm512_storeu_si512(dst + q * 512, _mm512_unpacklo_epi16(xv, yv));
+              _mm512_storeu_si512(dst + (q + 1) * 512, _mm512_unpackhi_epi16(xv, yv));
+            }
+          }
+        // The A tiles: column col's pairs of keys k0 .. k0 + 63 (a 16 x 16 transpose of the
+        // pairs the chunk's query rows hold, per 32 keys).
+        const int64_t cols = std::min<int64_t>(16, M - c * 16);
+        const __mmask16 col_mask = static_cast<__mmask16>((1u << cols) - 1);
+        const __m512i index = _mm512_loadu_si512(sc.col_rows.data() + job * 16);
+        const int32_t first_row = sc.col_rows[job * 16];
+        for (int64_t half = 0; half < 1 + second_half; ++half) {
+          __m512i r[16];
+          for (int64_t u = 0; u < 16; ++u) {
+            const int64_t pair = k0 / 2 + half * 16 + u;
+            const uint32_t* line = pairs + pair * rows;
+            r[u] = pair >= npairs ? _mm512_setzero_si512()
+                   : s.q_len == 1 ? _mm512_maskz_loadu_epi32(col_mask, line + first_row)  // adjacent rows
+                                  : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), col_mask, index, line, 4);
+          }
+          transpose_16x16(r);
+          for (int64_t col = 0; col < 16; ++col) _mm512_storeu_si512(prob_tiles + half * 256 + col * 16, r[col]);
+        }
+        _tile_loadd(2, prob_tiles, 64);
+        if (second_half) _tile_loadd(3, prob_tiles + 256, 64);
+        float* o_tiles = out_tiles + job * 16 * D;
+        const c10::BFloat16* b0 = value_tiles;
+        const c10::BFloat16* b1 = b0 + tiles_d * 512;
+        const int64_t o_stride = D * 4;  // bytes
+        for (int64_t q = 0; q < tiles_d; q += 2) {
+          _tile_loadd(0, o_tiles + 16 * q, o_stride);
+          _tile_loadd(1, o_tiles + 16 * (q + 1), o_stride);
+          _tile_loadd(4, b0 + q * 512, 64);
+          _tile_loadd(5, b0 + (q + 1) * 512, 64);
+          _tile_dpbf16ps(0, 2, 4);
+          _tile_dpbf16ps(1, 2, 5);
+          if (second_half) {
+            _tile_loadd(6, b1 + q * 512, 64);
+            _tile_loadd(7, b1 + (q + 1) * 512, 64);
+            _tile_dpbf16ps(0, 3, 6);
+            _tile_dpbf16ps(1, 3, 7);
+          }
+          _tile_stored(0, o_tiles + 16 * q, o_stride);
+          _tile_stored(1, o_tiles + 16 * (q + 1), o_stride);
+        }
+      }
+    }
+    // Tile positions 32k + i hold D columns 32k + 8 (i / 4 % 4) + i % 4 (+ 4 for i >= 16):
+    // back in order, two permutes per 32 columns.
+    alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+    for (int64_t g = 0; g < KV; ++g)
+      for (int64_t m = 0; m < M; ++m) {
+        const float* src = out_tiles + ((g * chunks + m / 16) * 16 + m % 16) * D;
+        float* dst = acc + row_of(g, m) * D;
+        for (int64_t d = 0; d < D; d += 32) {
+          const __m512 lo = _mm512_loadu_ps(src + d), hi = _mm512_loadu_ps(src + d + 16);
+          _mm512_storeu_ps(dst + d, _mm512_add_ps(_mm512_loadu_ps(dst + d), _mm512_permutex2var_ps(lo, first, hi)));
+          _mm512_storeu_ps(dst + d + 16,
+                           _mm512_add_ps(_mm512_loadu_ps(dst + d + 16), _mm512_permutex2var_ps(lo, second, hi)));
+        }
+      }
+    finish_item(item, s, rows, sc);
+  }
+#endif
+
   void run_item(const Item& item, Scratch& sc) const {
+#if defined(ATTN_DI_AMX)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (amx && (*seqs)[item.seq].q_len * o.group * o.head_size >= kAmxMinRowWork) {
+        run_item_amx(item, sc);
+        g_item_counts[0].fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+    }
+#endif
+    g_item_counts[1].fetch_add(1, std::memory_order_relaxed);
     const Sequence& s = (*seqs)[item.seq];
     const int64_t H = o.heads, G = o.group, D = o.head_size, row_width = o.kv_heads * D;
     const int64_t rows = s.q_len * H;  // row r = i * H + h
@@ -617,18 +904,7 @@ struct Kernel {
     // the register-blocked path.
     const T* tile_rows[kTile];
     auto modify_scores = [&](int64_t j, int64_t r_lo, int64_t r_hi) {
-      float* sj = scores + j * rows;
-      if (o.soft_cap > 0.f) {
-        const fVec cap(o.soft_cap), inv(1.f / o.soft_cap);
-        int64_t r = r_lo;
-        for (; r + kLanes <= r_hi; r += kLanes) (cap * (fVec::loadu(sj + r) * inv).tanh()).store(sj + r);
-        for (; r < r_hi; ++r) sj[r] = o.soft_cap * std::tanh(sj[r] / o.soft_cap);
-      }
-      if (o.alibi != nullptr)
-        for (int64_t r = r_lo; r < r_hi; ++r) {
-          const int64_t query_pos = s.seq_len - s.q_len + r / H;
-          sj[r] += o.alibi[r % H] * static_cast<float>(item.start + j - query_pos);
-        }
+      this->modify_scores(s, item, scores + j * rows, j, r_lo, r_hi);
     };
     for (int64_t j0 = 0; j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
@@ -748,17 +1024,43 @@ struct Kernel {
           }
       }
     }
+    finish_item(item, s, rows, sc);
+  }
+
+  // The soft cap and ALiBi bias on the scores sj[r_lo, r_hi) of the item's key j (rows
+  // r = i * H + h).
+  void modify_scores(const Sequence& s, const Item& item, float* sj, int64_t j, int64_t r_lo,
+                     int64_t r_hi) const {
+    const int64_t H = o.heads;
+    if (o.soft_cap > 0.f) {
+      const fVec cap(o.soft_cap), inv(1.f / o.soft_cap);
+      int64_t r = r_lo;
+      for (; r + kLanes <= r_hi; r += kLanes) (cap * (fVec::loadu(sj + r) * inv).tanh()).store(sj + r);
+      for (; r < r_hi; ++r) sj[r] = o.soft_cap * std::tanh(sj[r] / o.soft_cap);
+    }
+    if (o.alibi != nullptr)
+      for (int64_t r = r_lo; r < r_hi; ++r) {
+        const int64_t query_pos = s.seq_len - s.q_len + r / H;
+        sj[r] += o.alibi[r % H] * static_cast<float>(item.start + j - query_pos);
+      }
+  }
+
+  // An item's rows once both passes are done (sc.acc, sc.row_max, sc.row_sum): the output
+  // rows of a sequence in one item, else its partial results for merge_sequence.
+  void finish_item(const Item& item, const Sequence& s, int64_t rows, Scratch& sc) const {
+    const int64_t D = o.head_size;
+    const float* acc = sc.acc.data();
     if (s.num_items == 1) {
       for (int64_t r = 0; r < rows; ++r) {
         const float* row_acc = acc + r * D;
-        finish_row(s, r, &row_max[r], &row_sum[r], &row_acc, 1);
+        finish_row(s, r, &sc.row_max[r], &sc.row_sum[r], &row_acc, 1);
       }
       return;
     }
     const int64_t base = s.partial_offset + item.part * rows;
     std::copy(acc, acc + rows * D, partial_acc + base * D);
-    std::copy(row_max.begin(), row_max.end(), partial_max + base);
-    std::copy(row_sum.begin(), row_sum.end(), partial_sum + base);
+    std::copy(sc.row_max.begin(), sc.row_max.end(), partial_max + base);
+    std::copy(sc.row_sum.begin(), sc.row_sum.end(), partial_sum + base);
   }
 
   // Merge a sequence's partitions (log-sum-exp) and write its output rows.
@@ -997,6 +1299,11 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
                    partial_acc.data(),
                    partial_max.data(),
                    partial_sum.data()};
+#if defined(ATTN_DI_AMX)
+  // bfloat16 on AMX tiles where Linux grants them and D is whole tiles (a multiple of 32);
+  // else the AVX512_BF16 dot products (bf16_paths() says which runs).
+  kernel.amx = std::is_same_v<T, c10::BFloat16> && amx_state().usable && o.head_size % 32 == 0;
+#endif
   // Longest items first, handed out one at a time: ragged batches stay balanced.
   std::vector<int64_t> order(items.size());
   std::iota(order.begin(), order.end(), 0);
@@ -1012,6 +1319,9 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
     Scratch& scratch = Scratch::of_this_thread();
     for (int64_t at = next.fetch_add(1); at < num_items; at = next.fetch_add(1))
       kernel.run_item(items[order[at]], scratch);
+#if defined(ATTN_DI_AMX)
+    if (kernel.amx) _tile_release();  // the thread's tile state back to its initial, unused state
+#endif
   });
   std::vector<int64_t> merged;
   for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b)
@@ -1346,10 +1656,21 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 
 std::string isa() { return ATTN_DI_STRINGIFY(ATTN_DI_KERNEL_ISA); }
 
+// The decode kernel's items run so far in this process: [on AMX tiles, on vector registers].
+std::vector<int64_t> decode_items() {
+  return {g_item_counts[0].load(std::memory_order_relaxed), g_item_counts[1].load(std::memory_order_relaxed)};
+}
+
 // How this build computes bfloat16 attention on this CPU, for kernel_status().
 std::string bf16_paths() {
+#if defined(ATTN_DI_AMX)
+  std::string decode = amx_state().usable
+                           ? "decode: AMX tiles (AVX512_BF16 dot products where D is no multiple of 32)"
+                           : "decode: AVX512_BF16 dot products (no AMX: " + amx_state().why + ")";
+#else
   std::string decode = kNativeBf16Dot ? "decode: AVX512_BF16 dot products"
                                       : "decode: float32 FMA on converted rows";
+#endif
   std::string prefill = native_bf16_gemm() ? "prefill: AMX tile GEMMs (oneDNN)"
                                            : "prefill: float32 GEMMs on converted tiles";
   return decode + "; " + prefill;
@@ -1367,6 +1688,7 @@ TORCH_LIBRARY(attn_di, m) {
       "Tensor slot_mapping) -> ()");
   m.def("isa() -> str", &attn_di_kernel::isa);
   m.def("bf16_paths() -> str", &attn_di_kernel::bf16_paths);
+  m.def("decode_items() -> int[]", &attn_di_kernel::decode_items);
 }
 
 TORCH_LIBRARY_IMPL(attn_di, CPU, m) {

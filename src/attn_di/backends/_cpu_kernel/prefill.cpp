@@ -61,13 +61,6 @@ constexpr int64_t kPanel = 64;
 // writing (each a few hundred bytes, a page apart, which the hardware prefetchers miss).
 constexpr int64_t kRowsAhead = 4;
 
-// Every cache line of [start, start + bytes), for reading (or writing).
-template <bool kWrite = false>
-inline void prefetch_lines(const void* start, int64_t bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, kWrite ? 1 : 0, 3);
-}
-
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 // A work item: query tokens [i0, i1) of sequence `seq` (an index into the seqs list), KV head

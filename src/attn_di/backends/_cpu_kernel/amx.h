@@ -1,0 +1,120 @@
+// AMX primitives of the `amx` build (paged_attention.cpp's decode kernel): asking Linux for
+// the tile state, the one tile configuration the kernel uses, and the packing steps between
+// the paged cache (read in place) and the tiles.
+//
+// AMX (Intel Sapphire Rapids and later) multiplies bfloat16 tiles: TDPBF16PS adds to C
+// ([16 rows, 16 float32]) the product of A ([16 rows, 32 bfloat16], row-major) and B
+// ([16 rows, 16 pairs], "VNNI": row k holds the pairs (B[2k, n], B[2k + 1, n]) for n < 16),
+// each product exact in float32 and the sums float32 (Intel's Architecture Instruction Set
+// Extensions Programming Reference, ch. 3). A tile row is loaded from any address with any
+// stride (TILELOADD), so a cache whose token rows are D contiguous values needs no packing
+// when the key rows are the A operand: the kernel computes S^T = K Q^T (keys as rows, query
+// rows as columns) with the queries packed once per item, and O = P V with the
+// probabilities transposed into A and two value rows at a time interleaved into B.
+#pragma once
+
+#if defined(ATTN_DI_AMX)
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace attn_di_kernel {
+
+// Whether this process may use the AMX tiles, and if not why (one line). Linux grants the
+// tile data state (XTILEDATA, 8 KiB per thread) only to a process that asks for it
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), Linux 5.16+, Documentation/arch/x86/
+// xstate.rst); a thread using a tile without it is killed by SIGILL. Asked once per process
+// (torch's oneDNN asks the same; the grant is per process and idempotent).
+struct AmxState {
+  bool usable;
+  std::string why;  // empty when usable
+};
+
+inline const AmxState& amx_state() {
+  static const AmxState state = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
+      return AmxState{false, "this CPU has no AMX-BF16 tiles (CPUID.7.0:EDX bits 22, 24)"};
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    if (syscall(SYS_arch_prctl, kRequestPermission, kTileData) != 0)
+      return AmxState{false, std::string("Linux refused the AMX tile state (arch_prctl: ") +
+                                 std::strerror(errno) + ")"};
+    return AmxState{true, ""};
+  }();
+  return state;
+}
+
+// The tile configuration (LDTILECFG's 64-byte operand, palette 1): all eight tiles 16 rows of
+// 64 bytes. Partial tiles are zero-padded in memory instead of configured smaller, so one
+// configuration serves every shape.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Loads the configuration on this thread (the tile registers are per thread; oneDNN's GEMMs
+// in the prefill kernel configure them their own way, so each item loads ours).
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Transposes 16 x 16 32-bit words in registers: row i of the result is column i of the input
+// (unpack within 128-bit lanes, then a 4 x 4 transpose of the lanes).
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + j], lane L: column 4L + j of rows 4i..4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
+    t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+    r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
+  }
+}
+
+// Two value rows x, y (32 bfloat16 each, from column d) as two B-tile rows: pairs
+// (x[d], y[d]) for the first 16 columns into lo, the next 16 into hi.
+inline void interleave_rows(__m512i x, __m512i y, __m512i& lo, __m512i& hi) {
+  alignas(64) static const uint16_t kLow[32] = {
+      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {
+      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  lo = _mm512_permutex2var_epi16(x, _mm512_load_si512(kLow), y);
+  hi = _mm512_permutex2var_epi16(x, _mm512_load_si512(kHigh), y);
+}
+
+}  // namespace attn_di_kernel
+
+#endif  // ATTN_DI_AMX
