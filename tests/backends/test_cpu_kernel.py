@@ -300,7 +300,8 @@ def test_kernel_status_says_how_bfloat16_is_computed() -> None:
     decode, prefill = status.bfloat16.split("; ")
     if status.isa == "amx":
         assert decode in (
-            "decode: AMX tiles (AVX512_BF16 dot products where D is no multiple of 32)",
+            "decode: AMX tiles where query rows per KV head x D >= 512 and D is a multiple of "
+            "32, AVX512_BF16 dot products elsewhere",
             # the build runs where Linux refuses the tile state, and says so
             *([decode] if decode.startswith("decode: AVX512_BF16 dot products (no AMX: ") else []),
         )

@@ -10,7 +10,8 @@
 // stride (TILELOADD), so a cache whose token rows are D contiguous values needs no packing
 // when the key rows are the A operand: the kernel computes S^T = K Q^T (keys as rows, query
 // rows as columns) with the queries packed once per item, and O = P V with the
-// probabilities transposed into A and two value rows at a time interleaved into B.
+// probabilities transposed into A and two value rows at a time interleaved into B
+// (paged_attention.cpp, Kernel::run_item_amx).
 #pragma once
 
 #if defined(ATTN_DI_AMX)
@@ -100,19 +101,6 @@ inline void transpose_16x16(__m512i r[16]) {
     r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
     r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
   }
-}
-
-// Two value rows x, y (32 bfloat16 each, from column d) as two B-tile rows: pairs
-// (x[d], y[d]) for the first 16 columns into lo, the next 16 into hi.
-inline void interleave_rows(__m512i x, __m512i y, __m512i& lo, __m512i& hi) {
-  alignas(64) static const uint16_t kLow[32] = {
-      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHigh[32] = {
-      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  lo = _mm512_permutex2var_epi16(x, _mm512_load_si512(kLow), y);
-  hi = _mm512_permutex2var_epi16(x, _mm512_load_si512(kHigh), y);
 }
 
 }  // namespace attn_di_kernel

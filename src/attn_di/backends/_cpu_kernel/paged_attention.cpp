@@ -1665,7 +1665,8 @@ std::vector<int64_t> decode_items() {
 std::string bf16_paths() {
 #if defined(ATTN_DI_AMX)
   std::string decode = amx_state().usable
-                           ? "decode: AMX tiles (AVX512_BF16 dot products where D is no multiple of 32)"
+                           ? "decode: AMX tiles where query rows per KV head x D >= 512 and D is a "
+                             "multiple of 32, AVX512_BF16 dot products elsewhere"
                            : "decode: AVX512_BF16 dot products (no AMX: " + amx_state().why + ")";
 #else
   std::string decode = kNativeBf16Dot ? "decode: AVX512_BF16 dot products"
