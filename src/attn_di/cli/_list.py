@@ -4,6 +4,7 @@ resolves to, its source, whether it imports."""
 from __future__ import annotations
 
 import argparse
+import textwrap
 import warnings
 from typing import Any
 
@@ -116,7 +117,7 @@ def run_list(args: argparse.Namespace) -> int:
     if cpu_attn_decode:
         print(f"CPU_ATTN runs: {cpu_attn_decode}")
     if cpu_attn_bfloat16:
-        print(f"CPU_ATTN bfloat16: {cpu_attn_bfloat16}")
+        _print_parts("CPU_ATTN bfloat16: ", cpu_attn_bfloat16, wide)
     shown = [plugin for plugin in plugins if plugin["status"] != "skipped"]
     if len(shown) < len(plugins):
         print(f"{len(plugins) - len(shown)} installed plugin(s) not loaded: not in ATTN_DI_PLUGINS")
@@ -158,7 +159,7 @@ def describe_cpu_attn_decode() -> str | None:
 
 
 def describe_cpu_attn_bfloat16() -> str | None:
-    """How CPU_ATTN's compiled kernels compute bfloat16 here (the decode scores: AVX512_BF16
+    """How CPU_ATTN's compiled kernels compute bfloat16 here (the decode: AMX tiles, AVX512_BF16
     dot products or float32 FMA; the prefill GEMMs: AMX tiles or float32), or None when torch
     is not installed or the kernels are not used."""
     try:
@@ -169,6 +170,18 @@ def describe_cpu_attn_bfloat16() -> str | None:
             return _cpu_kernel.kernel_status().bfloat16
     except ImportError:
         return None
+
+
+def _print_parts(label: str, text: str, wide: bool) -> None:
+    """``label`` and ``text`` on one line (``wide``), else each ``"; "``-separated part of
+    ``text`` on lines of its own under the label, wrapped to the table's width."""
+    if wide:
+        print(f"{label}{text}")
+        return
+    indent = " " * len(label)
+    for number, part in enumerate(text.split("; ")):
+        first = label if number == 0 else indent
+        print(textwrap.fill(part, TABLE_WIDTH, initial_indent=first, subsequent_indent=indent))
 
 
 def _plugin_note(record: dict[str, Any], wide: bool) -> str:
