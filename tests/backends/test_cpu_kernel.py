@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import platform
 import shutil
@@ -1025,3 +1026,50 @@ def test_a_failed_build_reports_the_compiler_and_leaves_nothing_behind(
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
         f"{_cpu_kernel._build_dir('default')[0]}.lock"
     ]
+
+
+# Where a non-finite value goes in (what, its value): a key every query row of KV head 0 sees,
+# one query row's query. (A NaN sink never gets this far: the impl refuses it, typed.)
+_NON_FINITE = {
+    "nan-key": ("key", math.nan),
+    "inf-key": ("key", math.inf),
+    "nan-query": ("query", math.nan),
+}
+# (query length, head size): the decode kernel on vector registers, on AMX tiles (bfloat16
+# on the amx build), and the prefill kernel.
+_KERNEL_PATHS = {"decode": (1, 64), "decode-tiles": (4, 128), "prefill": (20, 64)}
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("path", list(_KERNEL_PATHS))
+@pytest.mark.parametrize("case", list(_NON_FINITE))
+def test_non_finite_inputs_reach_the_output_as_the_reference_has_them(
+    case: str, path: str, dtype: torch.dtype, kernel_calls: list[int]
+) -> None:
+    """A NaN or infinite key, or a NaN query, that a query row sees gives that row NaN where
+    the float64 reference gives NaN, never zeros or a finite row that left the key out; the
+    other rows are unaffected. (The kernels' exp once clamped a NaN score to a probability of
+    ~0, and their maxima dropped NaN.) The pure-torch path agrees with the reference on NaN;
+    on an infinite key in bfloat16 / float16 it gives finite rows (not checked here)."""
+    what, bad = _NON_FINITE[case]
+    q_len, head_size = _KERNEL_PATHS[path]
+    opts = Options(num_heads=8, num_kv_heads=2, head_size=head_size)
+    batch = make_batch(opts, [q_len, 1], [40, 70], 16, dtype)
+    if what == "key":  # the first new token of sequence 0 (position 40 - q_len), KV head 0
+        batch.key[0, 0, 5] = bad
+        batch.full_keys[0][40 - q_len, 0, 5] = bad
+    else:
+        batch.query[0, 1, 3] = bad
+    expected = reference_attention(opts, batch)
+    assert bool(expected.isnan().any())  # the case does poison some rows
+
+    kernel_out, torch_out = run_both_paths(opts, batch, kernel_calls, 16)
+
+    tol = TOLERANCES[dtype]
+    checked = (
+        [kernel_out] if math.isinf(bad) and dtype != torch.float32 else [kernel_out, torch_out]
+    )
+    for out in checked:
+        assert torch.equal(out.isnan(), expected.isnan())
+        torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol, equal_nan=True)

@@ -241,6 +241,11 @@ def test_other_builds_match_reference(build: str) -> None:
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
          "tests/backends/test_cpu_prefill.py::test_prefill_kernel_matches_reference",
          "tests/backends/test_cpu_kernel.py::test_kernel_and_torch_path_match_reference",
+         "tests/backends/test_cpu_kernel.py::test_non_finite_inputs_reach_the_output_as_the_reference_has_them",
+         # torch's own CPU flash attention (the pure-torch path's prefill, which this test also
+         # runs) fails in bfloat16 under ATEN_CPU_CAPABILITY=avx2 / default on an AMX CPU
+         # ("pack_vnni2 is only supported when avx512 is supported")
+         "-k", "not (non_finite and prefill and bfloat16)",
          "--hypothesis-profile=ci"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip

@@ -97,17 +97,28 @@ inline void store_as(const float* src, int64_t n, C* dst) {
 // sum l_p and unnormalised accumulator acc_p, D floats) and the head's sink (-inf: none):
 // row = sum_p acc_p e^(m_p - M) / (sum_p l_p e^(m_p - M) + e^(sink - M)), M the largest of
 // the m_p and the sink (the log-sum-exp merge of FlashAttention's split-KV, Dao et al. 2023).
-// Nothing visible and no sink gives zeros, like an empty sum.
+// Nothing visible and no sink gives zeros, like an empty sum; a NaN anywhere in the maxima,
+// sums or sink (a NaN or an infinite score: the softmax keeps NaN) gives a NaN row, as the
+// reference's softmax does, never zeros or a finite row that left the NaN key out.
 template <typename T>
 inline void merge_partials(T* dst, int64_t D, float sink, const float* maxes, const float* sums,
                            const float* const* accs, int64_t parts) {
+  // std::max drops a NaN in its second argument: NaN is checked for on its own.
+  bool nan = std::isnan(sink);
   float peak = sink;
-  for (int64_t part = 0; part < parts; ++part) peak = std::max(peak, maxes[part]);
+  for (int64_t part = 0; part < parts; ++part) {
+    nan = nan || std::isnan(maxes[part]) || std::isnan(sums[part]);
+    peak = std::max(peak, maxes[part]);
+  }
   float denom = 0.f;
   if (peak != kNegInf) {
     for (int64_t part = 0; part < parts; ++part)
       if (maxes[part] != kNegInf) denom += sums[part] * std::exp(maxes[part] - peak);
     if (sink != kNegInf) denom += std::exp(sink - peak);
+  }
+  if (nan || std::isnan(denom)) {
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+    return;
   }
   if (!(denom > 0.f)) {
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(0.f);

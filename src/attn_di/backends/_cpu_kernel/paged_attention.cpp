@@ -513,7 +513,8 @@ struct Scratch {
 // Softmax numerators of a token-major score block (scores[j * rows + r], n keys) in place:
 // per row r its max over the keys into row_max[r], then e = exp(s - max) in place and its
 // sum into row_sum[r] (row_max and row_sum start at -inf and 0). A row whose scores are all
-// -inf is shifted by 0 and sums to 0.
+// -inf is shifted by 0 and sums to 0; a NaN score makes its row's max, numerators and sum NaN
+// (and merge_partials its output row NaN, as the reference's softmax gives).
 //
 // The block is swept as one flat array of full vectors. Element i belongs to row i % rows,
 // so the rows of the lanes repeat with period P = lcm(rows, kLanes): one period's worth of
@@ -539,8 +540,8 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* ro
       fVec::set(old, peak, count).store(lanes + k);
     }
   }
-  for (int64_t p = 0, r = 0; p < used; ++p, r = r + 1 == rows ? 0 : r + 1)
-    row_max[r] = std::max(row_max[r], lanes[p]);
+  for (int64_t p = 0, r = 0; p < used; ++p, r = r + 1 == rows ? 0 : r + 1)  // NaN kept
+    if (std::isnan(lanes[p]) || lanes[p] > row_max[r]) row_max[r] = lanes[p];
   for (int64_t p = 0, r = 0; p < period; ++p, r = r + 1 == rows ? 0 : r + 1) {
     lanes[p] = row_max[r] == kNegInf ? 0.f : row_max[r];
     sums[p] = 0.f;
@@ -551,7 +552,8 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* ro
     const int64_t len = std::min(period, total - c);
     for (int64_t k = 0; k < len; k += kLanes) {
       const int64_t count = std::min(kLanes, len - k);
-      const fVec e = (fVec::loadu(block + k, count) - fVec::loadu(lanes + k)).exp_u20();
+      const fVec x = fVec::loadu(block + k, count) - fVec::loadu(lanes + k);
+      const fVec e = fVec::blendv(x.exp_u20(), x, x.isnan());  // exp_u20 clamps NaN to ~0
       e.store(block + k, count);
       (fVec::loadu(sums + k) + fVec::set(zero, e, count)).store(sums + k);
     }

@@ -79,7 +79,9 @@ struct Scratch {
   int64_t head_size = -1;     // the D the tile buffers are laid out (and zero-padded) for
 };
 
-// exp(x) for the softmax numerators (x <= 0 after the shift; -inf gives 0). On AVX-512:
+// exp(x) for the softmax numerators (x <= 0 after the shift; -inf gives 0, NaN stays NaN: a
+// NaN score, from a NaN query, key or an infinite difference, must reach the output as
+// NaN, as the reference's does, never a probability of 0). On AVX-512:
 // 2^t = 2^n * 2^f, t = x log2(e), n = round(t), |f| <= 1/2, 2^f by its degree-5 Taylor
 // polynomial (relative error < 3e-6 there, as ATen's exp_u20), scaled by 2^n with vscalefps;
 // 12 instructions. Elsewhere ATen's exp_u20.
@@ -97,9 +99,10 @@ inline fVec softmax_exp(const fVec& x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(normal, p, n);
+  const __m512 e = _mm512_maskz_scalef_ps(normal, p, n);
+  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // NaN stays NaN
 #else
-  return x.exp_u20();
+  return fVec::blendv(x.exp_u20(), x, x.isnan());  // exp_u20 clamps NaN to ~0
 #endif
 }
 
