@@ -503,6 +503,7 @@ struct Scratch {
   std::vector<c10::BFloat16> value_tiles, key_gather;
   std::vector<float> tile_out, out_tiles;
   std::vector<int32_t> col_rows;
+  bool tiles_configured = false;  // this thread loaded the tile configuration (configure_tiles)
 
   static Scratch& of_this_thread() {
     thread_local Scratch scratch;
@@ -668,6 +669,7 @@ struct Kernel {
       }
 
     configure_tiles();
+    sc.tiles_configured = true;
     sc.key_gather.resize(KV * 16 * D);
     sc.tile_out.resize(std::max<int64_t>(KV * 16 * width, 16 * 32));
     float* tile_out = sc.tile_out.data();
@@ -1322,7 +1324,10 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
     for (int64_t at = next.fetch_add(1); at < num_items; at = next.fetch_add(1))
       kernel.run_item(items[order[at]], scratch);
 #if defined(ATTN_DI_AMX)
-    if (kernel.amx) _tile_release();  // the thread's tile state back to its initial, unused state
+    if (scratch.tiles_configured) {  // the tile state back to its initial, unused state
+      _tile_release();
+      scratch.tiles_configured = false;
+    }
 #endif
   });
   std::vector<int64_t> merged;
