@@ -92,15 +92,13 @@ _SOURCES = tuple(
 )
 _COMMON_FLAGS = ("-O3", "-fopenmp")
 # Flags per torch CPU capability, as torch compiles its own kernels for each (x86-64 only).
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+                 "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512")  # fmt: skip
+_AVX512_BF16_FLAGS = (*_AVX512_FLAGS, "-mavx512bf16", "-DATTN_DI_AVX512_BF16")
 _ISA_FLAGS: dict[str, tuple[str, ...]] = {
-    "amx": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-            "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DCPU_CAPABILITY=AVX512",
-            "-DCPU_CAPABILITY_AVX512", "-DATTN_DI_AVX512_BF16", "-DATTN_DI_AMX"),
-    "avx512_bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-                    "-mavx512bf16", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
-                    "-DATTN_DI_AVX512_BF16"),
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"),
+    "amx": (*_AVX512_BF16_FLAGS, "-mamx-tile", "-mamx-bf16", "-DATTN_DI_AMX"),
+    "avx512_bf16": _AVX512_BF16_FLAGS,
+    "avx512": _AVX512_FLAGS,
     "avx2": ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"),
     "default": ("-DCPU_CAPABILITY=DEFAULT",),
 }  # fmt: skip

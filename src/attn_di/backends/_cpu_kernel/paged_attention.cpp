@@ -640,7 +640,7 @@ struct Kernel {
     // Query row m of KV head g is row r = (m / G) * H + g * G + m % G of the item.
     auto row_of = [&](int64_t g, int64_t m) { return (m / G) * H + g * G + m % G; };
     sc.scores.resize(rows * n);
-    sc.acc.assign(rows * D, 0.f);
+    sc.acc.resize(rows * D);  // every row written once, from out_tiles, at the end
     sc.row_max.assign(rows, kNegInf);
     sc.row_sum.assign(rows, 0.f);
     float* scores = sc.scores.data();
@@ -671,7 +671,7 @@ struct Kernel {
     configure_tiles();
     sc.tiles_configured = true;
     sc.key_gather.resize(KV * 16 * D);
-    sc.tile_out.resize(std::max<int64_t>(KV * 16 * width, 16 * 32));
+    sc.tile_out.resize(KV * 16 * width);
     float* tile_out = sc.tile_out.data();
     const int64_t bs = o.block_size;
     const int64_t jobs = KV * chunks;  // (KV head, column chunk) pairs, four C tiles at a time
@@ -859,9 +859,8 @@ struct Kernel {
         float* dst = acc + row_of(g, m) * D;
         for (int64_t d = 0; d < D; d += 32) {
           const __m512 lo = _mm512_loadu_ps(src + d), hi = _mm512_loadu_ps(src + d + 16);
-          _mm512_storeu_ps(dst + d, _mm512_add_ps(_mm512_loadu_ps(dst + d), _mm512_permutex2var_ps(lo, first, hi)));
-          _mm512_storeu_ps(dst + d + 16,
-                           _mm512_add_ps(_mm512_loadu_ps(dst + d + 16), _mm512_permutex2var_ps(lo, second, hi)));
+          _mm512_storeu_ps(dst + d, _mm512_permutex2var_ps(lo, first, hi));
+          _mm512_storeu_ps(dst + d + 16, _mm512_permutex2var_ps(lo, second, hi));
         }
       }
     finish_item(item, s, rows, sc);
