@@ -84,13 +84,15 @@ struct Scratch {
 // NaN, as the reference's does, never a probability of 0). On AVX-512:
 // 2^t = 2^n * 2^f, t = x log2(e), n = round(t), |f| <= 1/2, 2^f by its degree-5 Taylor
 // polynomial (relative error < 3e-6 there, as ATen's exp_u20), scaled by 2^n with vscalefps;
-// 12 instructions. Elsewhere ATen's exp_u20.
+// 12 instructions, NaN carried through them (no blend after). Elsewhere ATen's exp_u20.
 inline fVec softmax_exp(const fVec& x) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 raw = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  // Below 2^-125 (and -inf) the result is 0: no denormal ever computed (they are slow).
-  const __mmask16 normal = _mm512_cmp_ps_mask(raw, _mm512_set1_ps(-125.f), _CMP_GT_OQ);
-  const __m512 t = _mm512_max_ps(raw, _mm512_set1_ps(-125.f));
+  // Below 2^-125 (and -inf) the result is 0: no denormal ever computed (they are slow). A NaN
+  // passes both: the unordered compare is true for it, and VMAXPS returns its second operand
+  // where either is NaN, so t, n, f, p and the result are NaN.
+  const __mmask16 normal = _mm512_cmp_ps_mask(raw, _mm512_set1_ps(-125.f), _CMP_NLE_UQ);
+  const __m512 t = _mm512_max_ps(_mm512_set1_ps(-125.f), raw);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
   __m512 p = _mm512_set1_ps(1.f / 120.f);
@@ -99,8 +101,7 @@ inline fVec softmax_exp(const fVec& x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512 e = _mm512_maskz_scalef_ps(normal, p, n);
-  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // NaN stays NaN
+  return _mm512_maskz_scalef_ps(normal, p, n);
 #else
   return fVec::blendv(x.exp_u20(), x, x.isnan());  // exp_u20 clamps NaN to ~0
 #endif
@@ -409,10 +410,20 @@ struct Prefill {
       float* sr = S + (r - r0) * kKeyTile;
       const fVec shift(sc.shift[r - r0]);
       fVec total(0.f);
-      for (int64_t j = 0; j < width; j += kLanes) {
-        const fVec e = softmax_exp(fVec::loadu(sr + j) - shift);
-        e.store(sr + j);
-        total = total + e;
+      if constexpr (kPacked) {  // P straight from the exponentials (width: whole panels)
+        C* pr = sc.p.data() + (r - r0) * kKeyTile;
+        for (int64_t j = 0; j < width; j += 2 * kLanes) {
+          const fVec e0 = softmax_exp(fVec::loadu(sr + j) - shift);
+          const fVec e1 = softmax_exp(fVec::loadu(sr + j + kLanes) - shift);
+          total = total + e0 + e1;
+          at::vec::convert_from_float<C>(e0, e1).store(pr + j);
+        }
+      } else {  // P is S itself
+        for (int64_t j = 0; j < width; j += kLanes) {
+          const fVec e = softmax_exp(fVec::loadu(sr + j) - shift);
+          e.store(sr + j);
+          total = total + e;
+        }
       }
       const float rescale = sc.rescale[r - r0];
       sc.l[r] = sc.l[r] * rescale + at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, total);
@@ -424,7 +435,6 @@ struct Prefill {
           (fVec::loadu(acc + d, count) * f).store(acc + d, count);
         }
       }
-      if constexpr (kPacked) store_as<C>(sr, width, sc.p.data() + (r - r0) * kKeyTile);
     }
     float* O = sc.o.data() + r0 * dv;
     if constexpr (kPacked) {
