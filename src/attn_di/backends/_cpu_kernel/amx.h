@@ -54,8 +54,10 @@ inline const AmxState& amx_state() {
 }
 
 // The tile configuration (LDTILECFG's 64-byte operand, palette 1): all eight tiles 16 rows of
-// 64 bytes. Partial tiles are zero-padded in memory instead of configured smaller, so one
-// configuration serves every shape.
+// 64 bytes, partial tiles zero-padded in memory, so one configuration serves every shape of
+// run_item_amx; or, for the one-token scores (Kernel::tile_scores), the C tiles (0-3) and B
+// tiles (5, 7) narrowed to the N query rows of a KV head (4 bytes each), so that a C tile
+// stores straight into the score block.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -66,13 +68,46 @@ struct alignas(64) TileConfig {
 
 // Loads the configuration on this thread (the tile registers are per thread; oneDNN's GEMMs
 // in the prefill kernel configure them their own way, so each item loads ours).
-inline void configure_tiles() {
+inline void configure_tiles(int narrow_bytes = 64) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
+    config.colsb[t] = static_cast<uint16_t>(t == 4 || t == 6 ? 64 : narrow_bytes);
     config.rows[t] = 16;
   }
   _tile_loadconfig(&config);
+}
+
+// C tiles 0 .. count - 1 (count <= 4) = sum over chunks kc < `chunks` of A(h, kc) B(h, kc),
+// h < count, with TDPBF16PS (bfloat16 pairs, float32 sums): a(h, kc) is the A operand's first
+// row (16 rows `a_stride` bytes apart, 64 bytes each), b(h, kc) the B operand's (16 rows of
+// 64 bytes, contiguous). Operands alternate between tmm4/5 and tmm6/7, so one product's tiles
+// load while the previous product runs.
+template <typename A, typename B>
+inline void multiply_c_tiles(int64_t count, int64_t chunks, A&& a, int64_t a_stride, B&& b) {
+  _tile_zero(0);
+  if (count > 1) _tile_zero(1);
+  if (count > 2) _tile_zero(2);
+  if (count > 3) _tile_zero(3);
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    _tile_loadd(4, a(0, kc), a_stride);
+    _tile_loadd(5, b(0, kc), 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (count > 1) {
+      _tile_loadd(6, a(1, kc), a_stride);
+      _tile_loadd(7, b(1, kc), 64);
+      _tile_dpbf16ps(1, 6, 7);
+    }
+    if (count > 2) {
+      _tile_loadd(4, a(2, kc), a_stride);
+      _tile_loadd(5, b(2, kc), 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if (count > 3) {
+      _tile_loadd(6, a(3, kc), a_stride);
+      _tile_loadd(7, b(3, kc), 64);
+      _tile_dpbf16ps(3, 6, 7);
+    }
+  }
 }
 
 // Transposes 16 x 16 32-bit words in registers: row i of the result is column i of the input

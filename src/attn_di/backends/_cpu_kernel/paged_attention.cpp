@@ -29,7 +29,9 @@
 // rows; the query heads of one KV head are processed together (GQA/MQA). Sequences split in
 // several partitions are merged afterwards through their (max, sum) pairs (log-sum-exp
 // merge, Milakov & Gimelshein 2018). Items are handed out dynamically, longest first, to
-// the threads of torch's own intra-op pool (at::parallel_for).
+// the threads of torch's own intra-op pool (at::parallel_for). In the amx build, bfloat16
+// items take AMX tiles for one or both passes (tile_scores, run_item_amx; kAmxMinRowWork and
+// kTileScoresMaxGroup say which), reading the cache in place all the same.
 //
 // Only slots of positions a query may see are ever loaded; a masked score never enters a
 // product, so garbage (NaN/Inf) anywhere else in the cache cannot reach the output.
@@ -68,15 +70,24 @@ constexpr int64_t kItemCost = 64;
 // 128) 2.15 / 2.32, SmolLM2 decode (3 rows of 64) 0.14 / 0.12.
 constexpr int64_t kAmxMinRowWork = 512;
 
+// A one-token item of at most this many query heads per KV head computes its scores on AMX
+// tiles and P V on vector registers (run_item with tile_scores) rather than run_item_amx,
+// whose interleaved value tiles pay off for more rows. Microbenchmark on the Xeon with AMX,
+// one thread, one sequence of 1024 tokens, us (tile_scores / run_item_amx / AVX512_BF16):
+// G = 3 of D = 64 36 / 54 / 54 (SmolLM2), G = 4 of 128 267 / 296, G = 8 of 64 49 / 45,
+// G = 8 of 128 180 / 151, G = 16 of 128 140 / 78.
+constexpr int64_t kTileScoresMaxGroup = 4;
+
 // Tokens per tile: rows whose pointers are resolved together and read register-blocked.
 constexpr int64_t kTile = 16;
 // Longest query (tokens per sequence) the decode kernel takes; longer ones, and non-causal
 // queries of more than one token, go to the prefill kernel (prefill.cpp).
 constexpr int64_t kDecodeMaxQuery = 16;
 
-// Decode items run in this process: [0] on AMX tiles, [1] on vector registers (decode_items(),
-// for tests that ask which path ran).
-std::atomic<int64_t> g_item_counts[2] = {0, 0};
+// Decode items run in this process (decode_items(), for tests that ask which path ran): [0] on
+// AMX tiles (run_item_amx), [1] scores on AMX tiles and the rest on vector registers (run_item
+// with tile_scores), [2] on vector registers.
+std::atomic<int64_t> g_item_counts[3] = {0, 0, 0};
 
 struct Sequence {
   int64_t first_query, q_len, seq_len, lo;  // lo: first key any of its queries sees
@@ -503,7 +514,15 @@ struct Scratch {
   std::vector<c10::BFloat16> value_tiles, key_gather;
   std::vector<float> tile_out, out_tiles;
   std::vector<int32_t> col_rows;
-  bool tiles_configured = false;  // this thread loaded the tile configuration (configure_tiles)
+#if defined(ATTN_DI_AMX)
+  int tile_bytes = 0;  // the C tiles' width this thread configured (configure_tiles); 0: none
+
+  // The tile configuration of C tiles `bytes` wide on this thread, loaded unless it is already.
+  void use_tiles(int bytes) {
+    if (tile_bytes != bytes) configure_tiles(bytes);
+    tile_bytes = bytes;
+  }
+#endif
 
   static Scratch& of_this_thread() {
     thread_local Scratch scratch;
@@ -611,7 +630,108 @@ struct Kernel {
   }
 
 
+  // The scores of keys [j0, j0 + nt) of the item (scores[j * rows + r], every pair computed
+  // and scaled): -inf for the pairs a row may not see, then the soft cap and ALiBi on the
+  // others. Every key of an item is a written slot some query row sees (its range starts at
+  // the window's first visible key), so nothing masked is garbage, and it never reaches a
+  // product after the softmax (probability 0).
+  void mask_scores(const Sequence& s, const Item& item, float* scores, int64_t j0, int64_t nt) const {
+    const int64_t H = o.heads, rows = s.q_len * H;
+    const bool full = full_tile(s, o, item.start + j0, nt);
+    if (full && o.soft_cap == 0.f && o.alibi == nullptr) return;
+    for (int64_t t = 0; t < nt; ++t) {
+      int64_t i_lo = 0, i_hi = s.q_len;
+      if (!full) visible_rows(s, o, item.start + j0 + t, i_lo, i_hi);
+      float* sj = scores + (j0 + t) * rows;
+      const int64_t r_lo = i_lo * H, r_hi = std::max(i_lo, i_hi) * H;
+      std::fill(sj, sj + r_lo, kNegInf);
+      std::fill(sj + r_hi, sj + rows, kNegInf);
+      if (r_lo < r_hi) modify_scores(s, item, sj, j0 + t, r_lo, r_hi);
+    }
+  }
+
 #if defined(ATTN_DI_AMX)
+  // The A operand of keys [pos, pos + 16) of the item (all KV heads): their rows in place
+  // where they are one block's consecutive slots, else gathered into sc.key_gather (zeros
+  // past the item's `nt` keys). Returns head 0's first row; `head` (elements) and `stride`
+  // (bytes) step to another head and key.
+  const T* key_tile(const Sequence& s, const Item& item, int64_t pos, int64_t nt, Scratch& sc,
+                    int64_t& head, int64_t& stride) const {
+    const int64_t bs = o.block_size, D = o.head_size, KV = o.kv_heads;
+    if (nt == 16 && pos / bs == (pos + 15) / bs) {
+      head = keys.head_stride;
+      stride = keys.token_stride * 2;
+      return key_row(keys, s, item.seq, pos);
+    }
+    sc.key_gather.resize(KV * 16 * D);
+    c10::BFloat16* gather = sc.key_gather.data();
+    for (int64_t t = 0; t < 16; ++t) {
+      const T* row = t < nt ? key_row(keys, s, item.seq, pos + t) : nullptr;
+      for (int64_t g = 0; g < KV; ++g) {
+        c10::BFloat16* dst = gather + (g * 16 + t) * D;
+        if (row) std::memcpy(dst, row + g * keys.head_stride, D * 2);
+        else std::memset(dst, 0, D * 2);
+      }
+    }
+    head = 16 * D;
+    stride = D * 2;
+    return gather;
+  }
+
+  // Pass 1 of a one-token item (q_len 1, G <= 16 query heads per KV head: kTileScoresMaxGroup
+  // picks the items) on AMX tiles, for
+  // run_item's vector pass 2: per 16 keys and KV head g, S^T = K Q^T with the key rows as the
+  // A operand (key_tile) and the G query rows of g as a B tile packed once (transposed pairs).
+  // The C tiles are configured G columns wide (amx.h), so each stores its 16 keys' G scores
+  // straight into the score block (rows g * G .. g * G + G - 1 of scores[j * H + r]); the
+  // block is scaled once at the end (a tile store's data is not forwarded to vector loads:
+  // reading it right away would wait on it) and then masked (mask_scores). `scores` holds
+  // (n + 15) x H floats: a partial last tile's extra rows land past the item's keys.
+  void tile_scores(const Item& item, const Sequence& s, Scratch& sc, float* scores) const {
+    const int64_t H = o.heads, G = o.group, D = o.head_size, KV = o.kv_heads;
+    const int64_t n = item.stop - item.start;
+    const int64_t words = D / 2 * 16;  // a KV head's B tiles: D/32 tiles of 16 pair rows
+    sc.query_tiles.resize(KV * words);
+    for (int64_t g = 0; g < KV; ++g) {
+      const T* src = query + s.first_query * q_stride0 + g * G * q_stride1;
+      uint32_t* dst = sc.query_tiles.data() + g * words;
+      for (int64_t kc = 0; kc < D / 32; ++kc) {
+        __m512i r[16];
+        for (int64_t h = 0; h < 16; ++h)
+          r[h] = h < G ? _mm512_loadu_si512(src + h * q_stride1 + kc * 32) : _mm512_setzero_si512();
+        transpose_16x16(r);
+        for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(dst + (kc * 16 + p) * 16, r[p]);
+      }
+    }
+    sc.use_tiles(static_cast<int>(G * 4));
+    const int64_t out_stride = H * 4;  // bytes between keys in the score block
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t nt = std::min<int64_t>(16, n - j0);
+      for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
+        prefetch_row(key_row(keys, s, item.seq, item.start + t), KV, D, keys.head_stride);
+      int64_t a_head = 0, a_stride = 0;
+      const T* a_base = key_tile(s, item, item.start + j0, nt, sc, a_head, a_stride);
+      float* out_tile = scores + j0 * H;
+      // KV heads four at a time (C tiles 0-3, multiply_c_tiles).
+      for (int64_t g = 0; g < KV; g += 4) {
+        const int64_t count = std::min<int64_t>(4, KV - g);
+        multiply_c_tiles(
+            count, D / 32, [&](int64_t h, int64_t kc) { return a_base + (g + h) * a_head + kc * 32; },
+            a_stride, [&](int64_t h, int64_t kc) { return sc.query_tiles.data() + (g + h) * words + kc * 256; });
+        _tile_stored(0, out_tile + g * G, out_stride);
+        if (count > 1) _tile_stored(1, out_tile + (g + 1) * G, out_stride);
+        if (count > 2) _tile_stored(2, out_tile + (g + 2) * G, out_stride);
+        if (count > 3) _tile_stored(3, out_tile + (g + 3) * G, out_stride);
+      }
+    }
+    const fVec scale(o.scale);
+    const int64_t total = n * H;
+    int64_t i = 0;
+    for (; i + kLanes <= total; i += kLanes) (fVec::loadu(scores + i) * scale).store(scores + i);
+    if (i < total) (fVec::loadu(scores + i, total - i) * scale).store(scores + i, total - i);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) mask_scores(s, item, scores, j0, std::min<int64_t>(16, n - j0));
+  }
+
   // run_item on AMX tiles (bfloat16 caches, D a multiple of 32; see amx.h). The same two
   // passes and the same score layout as run_item, with the tiles in place of the dot products.
   // A job is one KV head g and one chunk of 16 of its M = q_len x G query rows (column m =
@@ -668,12 +788,9 @@ struct Kernel {
         }
       }
 
-    configure_tiles();
-    sc.tiles_configured = true;
-    sc.key_gather.resize(KV * 16 * D);
+    sc.use_tiles(64);
     sc.tile_out.resize(KV * 16 * width);
     float* tile_out = sc.tile_out.data();
-    const int64_t bs = o.block_size;
     const int64_t jobs = KV * chunks;  // (KV head, column chunk) pairs, four C tiles at a time
     const int64_t words_per_chunk = pairs_per_row * 16;
     // Pass 1: scores (scores[j * rows + r], scaled).
@@ -681,55 +798,17 @@ struct Kernel {
       const int64_t nt = std::min<int64_t>(16, n - j0);
       for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
         prefetch_row(key_row(keys, s, item.seq, item.start + t), KV, D, keys.head_stride);
-      const int64_t pos = item.start + j0;
-      // The A operand of head g: its 16 key rows in place where they are one block's
-      // consecutive slots, else gathered (zeros past the item).
-      const T* a_base = key_row(keys, s, item.seq, pos);
-      int64_t a_head = keys.head_stride, a_stride = keys.token_stride * 2;  // elements, bytes
-      if (nt < 16 || pos / bs != (pos + 15) / bs) {
-        c10::BFloat16* gather = sc.key_gather.data();
-        for (int64_t t = 0; t < 16; ++t) {
-          const T* row = t < nt ? key_row(keys, s, item.seq, pos + t) : nullptr;
-          for (int64_t g = 0; g < KV; ++g) {
-            c10::BFloat16* dst = gather + (g * 16 + t) * D;
-            if (row) std::memcpy(dst, row + g * keys.head_stride, D * 2);
-            else std::memset(dst, 0, D * 2);
-          }
-        }
-        a_base = gather;
-        a_head = 16 * D;
-        a_stride = D * 2;
-      }
-      // Job J = g * chunks + c: C tile J % 4; operands in tmm4/5 (even J) or tmm6/7 (odd),
-      // so one job's tiles load while the previous job's product runs.
+      // The A operand of head g: its 16 key rows (key_tile).
+      int64_t a_head = 0, a_stride = 0;  // elements, bytes
+      const T* a_base = key_tile(s, item, item.start + j0, nt, sc, a_head, a_stride);
+      // Job J = g * chunks + c: C tile J % 4 (multiply_c_tiles).
       for (int64_t j = 0; j < jobs; j += 4) {
         const int64_t count = std::min<int64_t>(4, jobs - j);
-        _tile_zero(0);
-        if (count > 1) _tile_zero(1);
-        if (count > 2) _tile_zero(2);
-        if (count > 3) _tile_zero(3);
-        for (int64_t kc = 0; kc < D / 32; ++kc) {
-          auto a = [&](int64_t job) { return a_base + (job / chunks) * a_head + kc * 32; };
-          auto b = [&](int64_t job) { return sc.query_tiles.data() + job * words_per_chunk + kc * 256; };
-          _tile_loadd(4, a(j), a_stride);
-          _tile_loadd(5, b(j), 64);
-          _tile_dpbf16ps(0, 4, 5);
-          if (count > 1) {
-            _tile_loadd(6, a(j + 1), a_stride);
-            _tile_loadd(7, b(j + 1), 64);
-            _tile_dpbf16ps(1, 6, 7);
-          }
-          if (count > 2) {
-            _tile_loadd(4, a(j + 2), a_stride);
-            _tile_loadd(5, b(j + 2), 64);
-            _tile_dpbf16ps(2, 4, 5);
-          }
-          if (count > 3) {
-            _tile_loadd(6, a(j + 3), a_stride);
-            _tile_loadd(7, b(j + 3), 64);
-            _tile_dpbf16ps(3, 6, 7);
-          }
-        }
+        multiply_c_tiles(
+            count, D / 32,
+            [&](int64_t h, int64_t kc) { return a_base + ((j + h) / chunks) * a_head + kc * 32; },
+            a_stride,
+            [&](int64_t h, int64_t kc) { return sc.query_tiles.data() + (j + h) * words_per_chunk + kc * 256; });
         // tile_out[(g * 16 + t) * width + m]: head g's scores of key t, its M columns adjacent.
         auto out = [&](int64_t job) { return tile_out + (job / chunks) * 16 * width + (job % chunks) * 16; };
         const int64_t out_stride = width * 4;
@@ -750,17 +829,7 @@ struct Kernel {
               (fVec::loadu(src + h, left) * scale).store(dst + h, left);
             }
           }
-      const bool full = full_tile(s, o, pos, nt);
-      if (full && o.soft_cap == 0.f && o.alibi == nullptr) continue;
-      for (int64_t t = 0; t < nt; ++t) {
-        int64_t i_lo = 0, i_hi = s.q_len;
-        if (!full) visible_rows(s, o, pos + t, i_lo, i_hi);
-        float* sj = scores + (j0 + t) * rows;
-        const int64_t r_lo = i_lo * H, r_hi = std::max(i_lo, i_hi) * H;
-        std::fill(sj, sj + r_lo, kNegInf);
-        std::fill(sj + r_hi, sj + rows, kNegInf);
-        if (r_lo < r_hi) modify_scores(s, item, sj, j0 + t, r_lo, r_hi);
-      }
+      mask_scores(s, item, scores, j0, nt);
     }
     softmax_numerators(scores, n, rows, sc.row_max.data(), sc.row_sum.data(), sc.pattern);
     pack_probability_pairs(scores, n, rows, sc.prob_pairs);
@@ -868,105 +937,113 @@ struct Kernel {
 #endif
 
   void run_item(const Item& item, Scratch& sc) const {
+    const Sequence& s = (*seqs)[item.seq];
+    bool tiles = false;  // pass 1 on AMX tiles (tile_scores), pass 2 below
 #if defined(ATTN_DI_AMX)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (amx && (*seqs)[item.seq].q_len * o.group * o.head_size >= kAmxMinRowWork) {
+      tiles = amx && s.q_len == 1 && o.group <= kTileScoresMaxGroup;
+      if (amx && !tiles && s.q_len * o.group * o.head_size >= kAmxMinRowWork) {
         run_item_amx(item, sc);
         g_item_counts[0].fetch_add(1, std::memory_order_relaxed);
         return;
       }
     }
 #endif
-    g_item_counts[1].fetch_add(1, std::memory_order_relaxed);
-    const Sequence& s = (*seqs)[item.seq];
+    g_item_counts[tiles ? 1 : 2].fetch_add(1, std::memory_order_relaxed);
     const int64_t H = o.heads, G = o.group, D = o.head_size, row_width = o.kv_heads * D;
     const int64_t rows = s.q_len * H;  // row r = i * H + h
     const int64_t n = item.stop - item.start;
     sc.queries.resize(rows * D);
-    sc.scores.resize(rows * n);
+    sc.scores.resize(rows * (n + (tiles ? 15 : 0)));
     sc.acc.assign(rows * D, 0.f);
     sc.key_row.resize(row_width);
     sc.value_row.resize(row_width);
     float* q = sc.queries.data();
     float* scores = sc.scores.data();
     float* acc = sc.acc.data();
-    // Scaled float32 queries, [q_len, H, D] (and, for the bfloat16 dot products, the
-    // queries as given, unscaled: scaling in bfloat16 would round them).
+#if defined(ATTN_DI_AMX)
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      if (tiles) tile_scores(item, s, sc, scores);
+#endif
     constexpr bool kBf16Dot = kNativeBf16Dot && std::is_same_v<T, c10::BFloat16>;
-    if constexpr (kBf16Dot) sc.raw_queries.resize(rows * D);
-    for (int64_t i = 0; i < s.q_len; ++i)
-      for (int64_t h = 0; h < H; ++h) {
-        const T* src = query + (s.first_query + i) * q_stride0 + h * q_stride1;
-        float* dst = q + (i * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * o.scale;
-        if constexpr (kBf16Dot) std::copy(src, src + D, sc.raw_queries.data() + (i * H + h) * D);
-      }
-    // Pass 1: scores, token-major (scores[j * rows + r]); the query rows that may see key j
-    // are one contiguous range [r_lo, r_hi), the others hold -inf (never computed). Keys go
-    // in tiles of kTile tokens; a tile every query row sees whole (always so in decode) takes
-    // the register-blocked path.
     const T* tile_rows[kTile];
-    auto modify_scores = [&](int64_t j, int64_t r_lo, int64_t r_hi) {
-      this->modify_scores(s, item, scores + j * rows, j, r_lo, r_hi);
-    };
-    for (int64_t j0 = 0; j0 < n; j0 += kTile) {
-      const int64_t nt = std::min(kTile, n - j0);
-      for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
-          prefetch_row(key_row(keys, s, item.seq, item.start + t), o.kv_heads, D, keys.head_stride);
-      if (full_tile(s, o, item.start + j0, nt)) {
-        for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(keys, s, item.seq, item.start + j0 + t);
-        for (int64_t g = 0; g < o.kv_heads; ++g) {
-#if defined(ATTN_DI_AVX512_BF16)
-          // The bfloat16 dot products have their own loop (here and in pass 2), not a branch
-          // inside the float32 one's head-group lambda: that single-loop form measured
-          // 0.85-0.98x of vLLM's op in bfloat16 decode B8 x 2048 against 0.75x for this one.
-          if constexpr (kBf16Dot) {
-            const T* heads[kTile];
-            for (int64_t t = 0; t < nt; ++t) heads[t] = tile_rows[t] + g * keys.head_stride;
+    if (!tiles) {
+      // Scaled float32 queries, [q_len, H, D] (and, for the bfloat16 dot products, the
+      // queries as given, unscaled: scaling in bfloat16 would round them).
+      if constexpr (kBf16Dot) sc.raw_queries.resize(rows * D);
+      for (int64_t i = 0; i < s.q_len; ++i)
+        for (int64_t h = 0; h < H; ++h) {
+          const T* src = query + (s.first_query + i) * q_stride0 + h * q_stride1;
+          float* dst = q + (i * H + h) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * o.scale;
+          if constexpr (kBf16Dot) std::copy(src, src + D, sc.raw_queries.data() + (i * H + h) * D);
+        }
+      // Pass 1: scores, token-major (scores[j * rows + r]); the query rows that may see key j
+      // are one contiguous range [r_lo, r_hi), the others hold -inf (never computed). Keys go
+      // in tiles of kTile tokens; a tile every query row sees whole (always so in decode) takes
+      // the register-blocked path.
+      auto modify_scores = [&](int64_t j, int64_t r_lo, int64_t r_hi) {
+        this->modify_scores(s, item, scores + j * rows, j, r_lo, r_hi);
+      };
+      for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+        const int64_t nt = std::min(kTile, n - j0);
+        for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
+            prefetch_row(key_row(keys, s, item.seq, item.start + t), o.kv_heads, D, keys.head_stride);
+        if (full_tile(s, o, item.start + j0, nt)) {
+          for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(keys, s, item.seq, item.start + j0 + t);
+          for (int64_t g = 0; g < o.kv_heads; ++g) {
+  #if defined(ATTN_DI_AVX512_BF16)
+            // The bfloat16 dot products have their own loop (here and in pass 2), not a branch
+            // inside the float32 one's head-group lambda: that single-loop form measured
+            // 0.85-0.98x of vLLM's op in bfloat16 decode B8 x 2048 against 0.75x for this one.
+            if constexpr (kBf16Dot) {
+              const T* heads[kTile];
+              for (int64_t t = 0; t < nt; ++t) heads[t] = tile_rows[t] + g * keys.head_stride;
+              for (int64_t i = 0; i < s.q_len; ++i) {
+                const int64_t r0 = i * H + g * G;
+                float* out = scores + j0 * rows + r0;
+                for_head_groups(G, [&](auto nr, int64_t h) {
+                  score_tile_bf16<decltype(nr)::value>(heads, nt, sc.raw_queries.data() + (r0 + h) * D,
+                                                       D, o.scale, out + h, rows);
+                });
+              }
+              continue;
+            }
+  #endif
+            const float* const* staged = head_tile(tile_rows, nt, g * keys.head_stride, D, sc);
             for (int64_t i = 0; i < s.q_len; ++i) {
               const int64_t r0 = i * H + g * G;
               float* out = scores + j0 * rows + r0;
               for_head_groups(G, [&](auto nr, int64_t h) {
-                score_tile_bf16<decltype(nr)::value>(heads, nt, sc.raw_queries.data() + (r0 + h) * D,
-                                                     D, o.scale, out + h, rows);
+                score_tile<float, decltype(nr)::value>(staged, nt, q + (r0 + h) * D, D, out + h, rows);
               });
             }
-            continue;
           }
-#endif
-          const float* const* staged = head_tile(tile_rows, nt, g * keys.head_stride, D, sc);
-          for (int64_t i = 0; i < s.q_len; ++i) {
-            const int64_t r0 = i * H + g * G;
-            float* out = scores + j0 * rows + r0;
-            for_head_groups(G, [&](auto nr, int64_t h) {
-              score_tile<float, decltype(nr)::value>(staged, nt, q + (r0 + h) * D, D, out + h, rows);
-            });
-          }
+          if (o.soft_cap > 0.f || o.alibi != nullptr)
+            for (int64_t t = 0; t < nt; ++t) modify_scores(j0 + t, 0, rows);
+          continue;
         }
-        if (o.soft_cap > 0.f || o.alibi != nullptr)
-          for (int64_t t = 0; t < nt; ++t) modify_scores(j0 + t, 0, rows);
-        continue;
-      }
-      for (int64_t j = j0; j < j0 + nt; ++j) {
-        const int64_t pos = item.start + j;
-        int64_t i_lo, i_hi;
-        visible_rows(s, o, pos, i_lo, i_hi);
-        float* sj = scores + j * rows;
-        const int64_t r_lo = i_lo * H, r_hi = std::max(i_lo, i_hi) * H;
-        std::fill(sj, sj + r_lo, kNegInf);
-        std::fill(sj + r_hi, sj + rows, kNegInf);
-        if (r_lo >= r_hi) continue;
-        const float* k = as_float<T>(key_row(keys, s, item.seq, pos), o.kv_heads, D,
-                                     keys.head_stride, sc.key_row.data());
-        for (int64_t i = i_lo; i < i_hi; ++i)
-          for (int64_t g = 0; g < o.kv_heads; ++g) {
-            const float* kg = k + g * D;
-            const int64_t r0 = i * H + g * G;
-            for_head_groups(G, [&](auto nr, int64_t h) {
-              dot_rows<decltype(nr)::value>(kg, q + (r0 + h) * D, D, D, sj + r0 + h);
-            });
-          }
-        modify_scores(j, r_lo, r_hi);
+        for (int64_t j = j0; j < j0 + nt; ++j) {
+          const int64_t pos = item.start + j;
+          int64_t i_lo, i_hi;
+          visible_rows(s, o, pos, i_lo, i_hi);
+          float* sj = scores + j * rows;
+          const int64_t r_lo = i_lo * H, r_hi = std::max(i_lo, i_hi) * H;
+          std::fill(sj, sj + r_lo, kNegInf);
+          std::fill(sj + r_hi, sj + rows, kNegInf);
+          if (r_lo >= r_hi) continue;
+          const float* k = as_float<T>(key_row(keys, s, item.seq, pos), o.kv_heads, D,
+                                       keys.head_stride, sc.key_row.data());
+          for (int64_t i = i_lo; i < i_hi; ++i)
+            for (int64_t g = 0; g < o.kv_heads; ++g) {
+              const float* kg = k + g * D;
+              const int64_t r0 = i * H + g * G;
+              for_head_groups(G, [&](auto nr, int64_t h) {
+                dot_rows<decltype(nr)::value>(kg, q + (r0 + h) * D, D, D, sj + r0 + h);
+              });
+            }
+          modify_scores(j, r_lo, r_hi);
+        }
       }
     }
     // Softmax numerators in place (a row without a visible key keeps max -inf and sum 0).
@@ -1323,9 +1400,9 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
     for (int64_t at = next.fetch_add(1); at < num_items; at = next.fetch_add(1))
       kernel.run_item(items[order[at]], scratch);
 #if defined(ATTN_DI_AMX)
-    if (scratch.tiles_configured) {  // the tile state back to its initial, unused state
+    if (scratch.tile_bytes != 0) {  // the tile state back to its initial, unused state
       _tile_release();
-      scratch.tiles_configured = false;
+      scratch.tile_bytes = 0;
     }
 #endif
   });
@@ -1662,17 +1739,22 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 
 std::string isa() { return ATTN_DI_STRINGIFY(ATTN_DI_KERNEL_ISA); }
 
-// The decode kernel's items run so far in this process: [on AMX tiles, on vector registers].
+// The decode kernel's items run so far in this process: [on AMX tiles, scores on AMX tiles and
+// the rest on vector registers, on vector registers].
 std::vector<int64_t> decode_items() {
-  return {g_item_counts[0].load(std::memory_order_relaxed), g_item_counts[1].load(std::memory_order_relaxed)};
+  std::vector<int64_t> counts;
+  for (const auto& count : g_item_counts) counts.push_back(count.load(std::memory_order_relaxed));
+  return counts;
 }
 
 // How this build computes bfloat16 attention on this CPU, for kernel_status().
 std::string bf16_paths() {
 #if defined(ATTN_DI_AMX)
   std::string decode = amx_state().usable
-                           ? "decode: AMX tiles where query rows per KV head x D >= 512 and D is a "
-                             "multiple of 32, AVX512_BF16 dot products elsewhere"
+                           ? "decode (D a multiple of 32): one-token queries of <= 4 heads per KV "
+                             "head score on AMX tiles and take P V on AVX512_BF16, other queries of "
+                             "query rows per KV head x D >= 512 run on AMX tiles, AVX512_BF16 dot "
+                             "products elsewhere"
                            : "decode: AVX512_BF16 dot products (no AMX: " + amx_state().why + ")";
 #else
   std::string decode = kNativeBf16Dot ? "decode: AVX512_BF16 dot products"
