@@ -992,7 +992,7 @@ struct Kernel {
         if (full_tile(s, o, item.start + j0, nt)) {
           for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(keys, s, item.seq, item.start + j0 + t);
           for (int64_t g = 0; g < o.kv_heads; ++g) {
-  #if defined(ATTN_DI_AVX512_BF16)
+#if defined(ATTN_DI_AVX512_BF16)
             // The bfloat16 dot products have their own loop (here and in pass 2), not a branch
             // inside the float32 one's head-group lambda: that single-loop form measured
             // 0.85-0.98x of vLLM's op in bfloat16 decode B8 x 2048 against 0.75x for this one.
@@ -1009,7 +1009,7 @@ struct Kernel {
               }
               continue;
             }
-  #endif
+#endif
             const float* const* staged = head_tile(tile_rows, nt, g * keys.head_stride, D, sc);
             for (int64_t i = 0; i < s.q_len; ++i) {
               const int64_t r0 = i * H + g * G;
