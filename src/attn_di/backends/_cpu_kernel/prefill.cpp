@@ -416,6 +416,14 @@ struct Prefill {
           const fVec e0 = softmax_exp(fVec::loadu(sr + j) - shift);
           const fVec e1 = softmax_exp(fVec::loadu(sr + j + kLanes) - shift);
           total = total + e0 + e1;
+#if defined(ATTN_DI_AVX512_BF16)
+          // one VCVTNE2PS2BF16 (round to nearest even, as ATen's ~10-instruction conversion;
+          // it reads denormals as 0, and softmax_exp gives none)
+          if constexpr (std::is_same_v<C, c10::BFloat16>) {
+            _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            continue;
+          }
+#endif
           at::vec::convert_from_float<C>(e0, e1).store(pr + j);
         }
       } else {  // P is S itself
