@@ -573,7 +573,7 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* ro
     for (int64_t k = 0; k < len; k += kLanes) {
       const int64_t count = std::min(kLanes, len - k);
       const fVec x = fVec::loadu(block + k, count) - fVec::loadu(lanes + k);
-      const fVec e = fVec::blendv(x.exp_u20(), x, x.isnan());  // exp_u20 clamps NaN to ~0
+      const fVec e = softmax_exp(x);
       e.store(block + k, count);
       (fVec::loadu(sums + k) + fVec::set(zero, e, count)).store(sums + k);
     }

@@ -79,34 +79,6 @@ struct Scratch {
   int64_t head_size = -1;     // the D the tile buffers are laid out (and zero-padded) for
 };
 
-// exp(x) for the softmax numerators (x <= 0 after the shift; -inf gives 0, NaN stays NaN: a
-// NaN score, from a NaN query, key or an infinite difference, must reach the output as
-// NaN, as the reference's does, never a probability of 0). On AVX-512:
-// 2^t = 2^n * 2^f, t = x log2(e), n = round(t), |f| <= 1/2, 2^f by its degree-5 Taylor
-// polynomial (relative error < 3e-6 there, as ATen's exp_u20), scaled by 2^n with vscalefps;
-// 12 instructions, NaN carried through them (no blend after). Elsewhere ATen's exp_u20.
-inline fVec softmax_exp(const fVec& x) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512 raw = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  // Below 2^-125 (and -inf) the result is 0: no denormal ever computed (they are slow). A NaN
-  // passes both: the unordered compare is true for it, and VMAXPS returns its second operand
-  // where either is NaN, so t, n, f, p and the result are NaN.
-  const __mmask16 normal = _mm512_cmp_ps_mask(raw, _mm512_set1_ps(-125.f), _CMP_NLE_UQ);
-  const __m512 t = _mm512_max_ps(_mm512_set1_ps(-125.f), raw);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.f / 120.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(normal, p, n);
-#else
-  return fVec::blendv(x.exp_u20(), x, x.isnan());  // exp_u20 clamps NaN to ~0
-#endif
-}
-
 // The largest of n scores (n a multiple of kLanes).
 inline float tile_max(const float* scores, int64_t n) {
   fVec peak(kNegInf);
