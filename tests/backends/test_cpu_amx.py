@@ -3,13 +3,14 @@
 Two paths read the paged cache in place on tiles. ``run_item_amx`` multiplies both products on
 tiles: key rows straight into tiles where 16 of them are one block's consecutive slots,
 gathered where not; value rows interleaved in pairs. ``tile_scores`` takes one-token items of
-at most four query heads per KV head: the scores on tiles as narrow as the KV head's query
-rows, stored straight into the score block, and P V on vector registers. These cases cross
-each branch (column chunks of 16 query rows, one to more than four per KV head; KV heads in
-groups of four C tiles and a partial group; tiles inside a block, across blocks and past the
-item; head sizes of one to eight tiles of 32; every layer option; every cache layout) against
-the float64 reference on caches whose unused slots hold NaN and Inf, and ask the kernel which
-path ran (``torch.ops.attn_di.decode_items``): equal outputs cannot tell one path from another.
+at most eight query heads per KV head: the scores on tiles as narrow as the KV head's query
+rows, stored straight into the score block, and P V by float32 FMAs on vector registers.
+These cases cross each branch (column chunks of 16 query rows, one to more than four per KV
+head; KV heads in groups of four C tiles and a partial group; tiles inside a block, across
+blocks and past the item; head sizes of one to eight tiles of 32; every layer option; every
+cache layout) against the float64 reference on caches whose unused slots hold NaN and Inf,
+and ask the kernel which path ran (``torch.ops.attn_di.decode_items``): equal outputs cannot
+tell one path from another.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ CASES = {
         (Options(8, 2, 128), [4, 1, 16, 2], [300, 97, 1000, 16], 16, "declared"),
         {"amx", "tiles"},
     ),
-    # one KV head of 8 query heads, windowed, soft cap, ALiBi, sinks; block 24: tiles straddle
+    # one KV head of 8 query heads (the one-token sequence on tile_scores, C tiles 8 columns
+    # wide), windowed, soft cap, ALiBi, sinks; block 24: tiles straddle
     "mqa8-options": (
         (
             Options(
@@ -67,16 +69,20 @@ CASES = {
             24,
             "declared",
         ),
-        {"amx"},
+        {"amx", "tiles"},
     ),
     # three tiles of 32 (D = 96), block size 1: every key tile gathered
-    "d96-block1": ((Options(12, 2, 96), [2, 2, 1, 2], [2, 5, 33, 130], 1, "declared"), {"amx"}),
+    "d96-block1": (
+        (Options(12, 2, 96), [2, 2, 1, 2], [2, 5, 33, 130], 1, "declared"),
+        {"amx", "tiles"},
+    ),
     # D = 256 (eight tiles of 32), vLLM's head-major page layout
     "d256-vllm-pages": (
         (Options(4, 2, 256), [2, 1], [513, 64], 32, "vllm-LBHNC"),
         {"amx", "tiles"},
     ),
-    # 16 x 16 = 256 query rows of one KV head: 16 column chunks, four C tiles at a time
+    # 16 x 16 = 256 query rows of one KV head: 16 column chunks, four C tiles at a time; the
+    # one-token sequence of 16 heads per KV head on run_item_amx too
     "d32-many-chunks": (
         (Options(16, 1, 32, sinks=_SINKS), [16, 1], [40, 300], 16, "head-major"),
         {"amx"},
@@ -143,7 +149,7 @@ def _run(
 @pytest.mark.parametrize("name", list(CASES))
 def test_decode_paths_match_reference(name: str, threads: int, kernel_calls: list[int]) -> None:
     """Each batch's items take the paths its shapes call for (run_item_amx where query rows
-    per KV head x D >= 512, tile_scores for one-token items of <= 4 query heads per KV head
+    per KV head x D >= 512, tile_scores for one-token items of <= 8 query heads per KV head
     and D a multiple of 32, vector registers otherwise), and match the float64 reference."""
     case, paths = CASES[name]
     previous = torch.get_num_threads()

@@ -301,8 +301,8 @@ def test_kernel_status_says_how_bfloat16_is_computed() -> None:
     decode, prefill = status.bfloat16.split("; ")
     if status.isa == "amx":
         assert decode in (
-            "decode (D a multiple of 32): one-token queries of <= 4 heads per KV head score on "
-            "AMX tiles and take P V on AVX512_BF16, other queries of query rows per KV head x D "
+            "decode (D a multiple of 32): one-token queries of <= 8 heads per KV head score on "
+            "AMX tiles and take P V by float32 FMA, other queries of query rows per KV head x D "
             ">= 512 run on AMX tiles, AVX512_BF16 dot products elsewhere",
             # the build runs where Linux refuses the tile state, and says so
             *([decode] if decode.startswith("decode: AVX512_BF16 dot products (no AMX: ") else []),

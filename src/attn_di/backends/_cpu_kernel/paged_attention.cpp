@@ -71,12 +71,12 @@ constexpr int64_t kItemCost = 64;
 constexpr int64_t kAmxMinRowWork = 512;
 
 // A one-token item of at most this many query heads per KV head computes its scores on AMX
-// tiles and P V on vector registers (run_item with tile_scores) rather than run_item_amx,
+// tiles and P V with float32 FMAs (run_item with tile_scores) rather than run_item_amx,
 // whose interleaved value tiles pay off for more rows. Microbenchmark on the Xeon with AMX,
-// one thread, one sequence of 1024 tokens, us (tile_scores / run_item_amx / AVX512_BF16):
-// G = 3 of D = 64 36 / 54 / 54 (SmolLM2), G = 4 of 128 267 / 296, G = 8 of 64 49 / 45,
-// G = 8 of 128 180 / 151, G = 16 of 128 140 / 78.
-constexpr int64_t kTileScoresMaxGroup = 4;
+// one thread, one sequence of 1024 keys, us (tile_scores / run_item_amx): G = 3 of D = 64
+// 27 / 54 (SmolLM2), G = 4 of 128 211-214 / 296, G = 6 of 128 54 / 59, G = 8 of 64 36 / 40,
+// G = 8 of 128 142-161 / 151-157, G = 16 of 128 97 / 71.
+constexpr int64_t kTileScoresMaxGroup = 8;
 
 // Tokens per tile: rows whose pointers are resolved together and read register-blocked.
 constexpr int64_t kTile = 16;
@@ -315,11 +315,9 @@ inline void score_tile_bf16(const c10::BFloat16* const* k, int64_t nt, const c10
 }
 
 // The probabilities of a token-major softmax block (p[j * rows + r], n keys) as bfloat16
-// pairs for value_tile_bf16: pairs[u * rows + r] = bf16(p[2u, r]) | bf16(p[2u + 1, r]) << 16,
-// the odd last key paired with 0: once per tile for all its KV heads, 16 at a time with
-// VCVTNEPS2BF16 (round to nearest even; scalar conversions per tile and head group measured
-// 6-8% of SmolLM2's one-thread bfloat16 decode). It flushes denormal inputs to zero: for
-// probabilities (at most 1) below bfloat16's own rounding of the larger ones.
+// pairs for run_item_amx's A tiles: pairs[u * rows + r] = bf16(p[2u, r]) | bf16(p[2u + 1, r])
+// << 16, the odd last key paired with 0, 16 at a time with VCVTNEPS2BF16 (round to nearest
+// even). It reads denormal inputs as zero; softmax_exp gives none.
 inline void pack_probability_pairs(const float* p, int64_t n, int64_t rows,
                                    std::vector<uint32_t>& pairs) {
   const int64_t count = (n + 1) / 2;
@@ -339,54 +337,6 @@ inline void pack_probability_pairs(const float* p, int64_t n, int64_t rows,
   }
 }
 
-// acc[r] += sum_t bf16(p_t, r) * v_t for NR float32 accumulator rows (stride `size`) and `nt`
-// bfloat16 token rows (pointers already at the KV head), with VDPBF16PS on token pairs: two
-// rows interleaved (VPERMT2W: v_t[d], v_t+1[d] adjacent) meet the pair of their
-// probabilities broadcast (pairs[u * p_stride + r], from pack_probability_pairs), so each
-// lane d adds p_t v_t[d] + p_t+1 v_t+1[d] in float32. The probabilities are rounded to
-// bfloat16 (relative error <= 2^-9, as in a bfloat16 GEMM of P V); the softmax's sums and the
-// accumulators stay float32. An odd last token pairs with a zero row and probability.
-template <int NR>
-inline void value_tile_bf16(const c10::BFloat16* const* v, int64_t nt, const uint32_t* pairs,
-                            int64_t p_stride, float* acc, int64_t size) {
-  constexpr int64_t kChunk = 32;  // values of D per pass: two float32 accumulators per row
-  const int64_t count = (nt + 1) / 2;
-  // Word i of the first interleave is a[i / 2] (even i) or b[i / 2] (odd i); of the second,
-  // the same 16 values on (index bit 5 picks b).
-  alignas(64) static const uint16_t kLow[32] = {
-      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHigh[32] = {
-      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
-  for (int64_t d = 0; d < size; d += kChunk) {
-    const int64_t rest = std::min<int64_t>(kChunk, size - d);
-    const __mmask32 words = static_cast<__mmask32>((uint64_t{1} << rest) - 1);
-    const __mmask16 first = static_cast<__mmask16>(words & 0xFFFF), second = static_cast<__mmask16>(words >> 16);
-    __m512 a[NR][2];
-    for (int r = 0; r < NR; ++r) {
-      a[r][0] = _mm512_maskz_loadu_ps(first, acc + r * size + d);
-      a[r][1] = _mm512_maskz_loadu_ps(second, acc + r * size + d + 16);
-    }
-    for (int64_t u = 0; u < count; ++u) {
-      const __m512i x = _mm512_maskz_loadu_epi16(words, v[2 * u] + d);
-      const __m512i y = 2 * u + 1 < nt ? _mm512_maskz_loadu_epi16(words, v[2 * u + 1] + d)
-                                       : _mm512_setzero_si512();
-      const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(x, low, y);
-      const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(x, high, y);
-      for (int r = 0; r < NR; ++r) {
-        const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[u * p_stride + r]));
-        a[r][0] = _mm512_dpbf16_ps(a[r][0], lo, pr);
-        a[r][1] = _mm512_dpbf16_ps(a[r][1], hi, pr);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      _mm512_mask_storeu_ps(acc + r * size + d, first, a[r][0]);
-      _mm512_mask_storeu_ps(acc + r * size + d + 16, second, a[r][1]);
-    }
-  }
-}
 constexpr bool kNativeBf16Dot = true;
 #else
 constexpr bool kNativeBf16Dot = false;
@@ -505,7 +455,7 @@ inline void for_head_groups(int64_t G, F&& f) {
 struct Scratch {
   std::vector<float> queries, scores, acc, key_row, value_row, pattern, row_max, row_sum, stage;
   std::vector<c10::BFloat16> raw_queries;  // bfloat16 queries as given, for score_tile_bf16
-  std::vector<uint32_t> prob_pairs;  // a tile's bfloat16 probability pairs, for value_tile_bf16
+  std::vector<uint32_t> prob_pairs;  // an item's bfloat16 probability pairs (run_item_amx)
   const float* staged[kTile];  // rows of `stage`, as score_tile / value_tile take them
   // The AMX path (run_item_amx): queries as B tiles, probabilities as A tiles, one chunk of
   // value rows as B tiles, key rows gathered where a tile's 16 rows are not equally spaced,
@@ -1061,15 +1011,20 @@ struct Kernel {
         for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(values, s, item.seq, item.start + j0 + t);
         for (int64_t g = 0; g < o.kv_heads; ++g) {
 #if defined(ATTN_DI_AVX512_BF16)
+          // bfloat16 value rows read in place, widened to float32 as they load (a shift), and
+          // multiplied by the float32 probabilities with FMAs: 1.1-1.3x faster than VDPBF16PS
+          // on pairs of rows interleaved per key pair (VPERMT2W) with the probabilities
+          // rounded to bfloat16 (bench: one thread, one sequence of 1024 keys, G = 3 of D = 64
+          // and G = 4 of 128, amx and avx512_bf16 builds); rows stay L1-resident across the
+          // head group's passes.
           if constexpr (kBf16Dot) {
-            if (g == 0) pack_probability_pairs(scores + j0 * rows, nt, rows, sc.prob_pairs);
             const T* heads[kTile];
             for (int64_t t = 0; t < nt; ++t) heads[t] = tile_rows[t] + g * values.head_stride;
             for (int64_t i = 0; i < s.q_len; ++i) {
               const int64_t r0 = i * H + g * G;
-              const uint32_t* pj = sc.prob_pairs.data() + r0;
+              const float* pj = scores + j0 * rows + r0;
               for_head_groups(G, [&](auto nr, int64_t h) {
-                value_tile_bf16<decltype(nr)::value>(heads, nt, pj + h, rows, acc + (r0 + h) * D, D);
+                value_tile<T, decltype(nr)::value>(heads, nt, pj + h, rows, acc + (r0 + h) * D, D);
               });
             }
             continue;
@@ -1751,8 +1706,8 @@ std::vector<int64_t> decode_items() {
 std::string bf16_paths() {
 #if defined(ATTN_DI_AMX)
   std::string decode = amx_state().usable
-                           ? "decode (D a multiple of 32): one-token queries of <= 4 heads per KV "
-                             "head score on AMX tiles and take P V on AVX512_BF16, other queries of "
+                           ? "decode (D a multiple of 32): one-token queries of <= 8 heads per KV "
+                             "head score on AMX tiles and take P V by float32 FMA, other queries of "
                              "query rows per KV head x D >= 512 run on AMX tiles, AVX512_BF16 dot "
                              "products elsewhere"
                            : "decode: AVX512_BF16 dot products (no AMX: " + amx_state().why + ")";
