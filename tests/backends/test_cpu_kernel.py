@@ -292,6 +292,9 @@ def _linux_cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+_NO_AMX = "decode: AVX512_BF16 scores, float32 FMA P V (no AMX: "
+
+
 @requires_kernel
 def test_kernel_status_says_how_bfloat16_is_computed() -> None:
     """kernel_status().bfloat16 names the decode kernel's dot products and the prefill
@@ -303,12 +306,12 @@ def test_kernel_status_says_how_bfloat16_is_computed() -> None:
         assert decode in (
             "decode (D a multiple of 32): one-token queries of <= 8 heads per KV head score on "
             "AMX tiles and take P V by float32 FMA, other queries of query rows per KV head x D "
-            ">= 512 run on AMX tiles, AVX512_BF16 dot products elsewhere",
+            ">= 512 run on AMX tiles, AVX512_BF16 scores and float32 FMA P V elsewhere",
             # the build runs where Linux refuses the tile state, and says so
-            *([decode] if decode.startswith("decode: AVX512_BF16 dot products (no AMX: ") else []),
+            *([decode] if decode.startswith(_NO_AMX) else []),
         )
     elif status.isa == "avx512_bf16":
-        assert decode == "decode: AVX512_BF16 dot products"
+        assert decode == "decode: AVX512_BF16 scores, float32 FMA P V"
     else:
         assert decode == "decode: float32 FMA on converted rows"
     assert prefill in (

@@ -160,7 +160,7 @@ def describe_cpu_attn_decode() -> str | None:
 
 def describe_cpu_attn_bfloat16() -> str | None:
     """How CPU_ATTN's compiled kernels compute bfloat16 here (the decode: AMX tiles, AVX512_BF16
-    dot products or float32 FMA; the prefill GEMMs: AMX tiles or float32), or None when torch
+    scores, float32 FMA; the prefill GEMMs: AMX tiles or float32), or None when torch
     is not installed or the kernels are not used."""
     try:
         from attn_di.backends import _cpu_kernel

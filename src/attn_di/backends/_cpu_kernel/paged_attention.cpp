@@ -1336,7 +1336,7 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
                    partial_sum.data()};
 #if defined(ATTN_DI_AMX)
   // bfloat16 on AMX tiles where Linux grants them and D is whole tiles (a multiple of 32);
-  // else the AVX512_BF16 dot products (bf16_paths() says which runs).
+  // else AVX512_BF16 scores and float32 FMA P V (bf16_paths() says which runs).
   kernel.amx = std::is_same_v<T, c10::BFloat16> && amx_state().usable && o.head_size % 32 == 0;
 #endif
   // Longest items first, handed out one at a time: ragged batches stay balanced.
@@ -1708,11 +1708,11 @@ std::string bf16_paths() {
   std::string decode = amx_state().usable
                            ? "decode (D a multiple of 32): one-token queries of <= 8 heads per KV "
                              "head score on AMX tiles and take P V by float32 FMA, other queries of "
-                             "query rows per KV head x D >= 512 run on AMX tiles, AVX512_BF16 dot "
-                             "products elsewhere"
-                           : "decode: AVX512_BF16 dot products (no AMX: " + amx_state().why + ")";
+                             "query rows per KV head x D >= 512 run on AMX tiles, AVX512_BF16 scores "
+                             "and float32 FMA P V elsewhere"
+                           : "decode: AVX512_BF16 scores, float32 FMA P V (no AMX: " + amx_state().why + ")";
 #else
-  std::string decode = kNativeBf16Dot ? "decode: AVX512_BF16 dot products"
+  std::string decode = kNativeBf16Dot ? "decode: AVX512_BF16 scores, float32 FMA P V"
                                       : "decode: float32 FMA on converted rows";
 #endif
   std::string prefill = native_bf16_gemm() ? "prefill: AMX tile GEMMs (oneDNN)"
