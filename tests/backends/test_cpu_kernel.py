@@ -1077,3 +1077,60 @@ def test_non_finite_inputs_reach_the_output_as_the_reference_has_them(
     for out in checked:
         assert torch.equal(out.isnan(), expected.isnan())
         torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol, equal_nan=True)
+
+
+def _infinite_key_dim(batch: Batch, seq: int, first: int, last: int, dim: int) -> None:
+    """Set ``dim`` of KV head 0's keys at positions [first, last) of sequence ``seq`` to +inf,
+    in the cache (the cached prefix), the step's keys (the new tokens) and the reference's."""
+    table = batch.metadata.block_table
+    seq_len = batch.full_keys[seq].shape[0]
+    q_len = batch.query_lens[seq]
+    start = sum(batch.query_lens[:seq])
+    block_size = int(batch.kv_cache.shape[2])
+    for pos in range(first, last):
+        if pos < seq_len - q_len:
+            slot = table[seq, pos // block_size].long() * block_size + pos % block_size
+            block, offset = slot_index(batch.kv_cache, slot)
+            batch.kv_cache[0][block, offset, 0, dim] = math.inf
+        else:
+            batch.key[start + pos - (seq_len - q_len), 0, dim] = math.inf
+        batch.full_keys[seq][pos, 0, dim] = math.inf
+
+
+@requires_kernel
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("path", list(_KERNEL_PATHS))
+def test_rows_that_see_only_minus_inf_scores_get_nan_as_the_reference(
+    path: str, dtype: torch.dtype, sinks: bool, kernel_calls: list[int]
+) -> None:
+    """KV head 0's keys +inf in one dimension: query heads negative there score -inf on those
+    keys, positive ones +inf. A row whose every visible score is -inf is NaN in the float64
+    reference (-inf - (-inf)), or 0 with a finite sink (the sink takes all the weight), never
+    the 0 of a row that saw nothing; a row with any finite score is finite. Sequence 0 has
+    infinite keys only, sequence 1 in its first 300 of 700 positions; 700 keys are split into
+    key ranges (merged) on two threads. (The pure-torch path gives such rows 0 without a sink:
+    not checked here; docs/guides/reliability.md says so.)"""
+    q_len, head_size = _KERNEL_PATHS[path]
+    sink_values = torch.full((8,), 0.5) if sinks else None
+    opts = Options(num_heads=8, num_kv_heads=2, head_size=head_size, sinks=sink_values)
+    batch = make_batch(opts, [q_len, q_len], [700, 700], 16, dtype)
+    _infinite_key_dim(batch, 0, 0, 700, 5)
+    _infinite_key_dim(batch, 1, 0, 300, 5)
+    batch.query[:, 0:2, 5] = -1.0  # heads 0 and 1 (KV head 0) score -inf
+    batch.query[:, 2:4, 5] = 1.0  # heads 2 and 3 score +inf: NaN either way
+    expected = reference_attention(opts, batch)
+    seq0 = slice(0, q_len)
+    assert bool(expected[seq0, 0 : 2 * head_size].isnan().all()) != sinks
+    assert not bool(expected[q_len:, 0 : 2 * head_size].isnan().any())
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kernel_out, _ = run_both_paths(opts, batch, kernel_calls, 16)
+    finally:
+        torch.set_num_threads(previous)
+
+    tol = TOLERANCES[dtype]
+    assert torch.equal(kernel_out.isnan(), expected.isnan())
+    torch.testing.assert_close(kernel_out.double(), expected, atol=tol, rtol=tol, equal_nan=True)

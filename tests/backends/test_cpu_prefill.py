@@ -242,10 +242,11 @@ def test_other_builds_match_reference(build: str) -> None:
          "tests/backends/test_cpu_prefill.py::test_prefill_kernel_matches_reference",
          "tests/backends/test_cpu_kernel.py::test_kernel_and_torch_path_match_reference",
          "tests/backends/test_cpu_kernel.py::test_non_finite_inputs_reach_the_output_as_the_reference_has_them",
-         # torch's own CPU flash attention (the pure-torch path's prefill, which this test also
-         # runs) fails in bfloat16 under ATEN_CPU_CAPABILITY=avx2 / default on an AMX CPU
+         "tests/backends/test_cpu_kernel.py::test_rows_that_see_only_minus_inf_scores_get_nan_as_the_reference",
+         # torch's own CPU flash attention (the pure-torch path's prefill, which these tests
+         # also run) fails in bfloat16 under ATEN_CPU_CAPABILITY=avx2 / default on an AMX CPU
          # ("pack_vnni2 is only supported when avx512 is supported")
-         "-k", "not (non_finite and prefill and bfloat16)",
+         "-k", "not ((non_finite or only_minus_inf) and prefill and bfloat16)",
          "--hypothesis-profile=ci"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip

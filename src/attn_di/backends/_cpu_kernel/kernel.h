@@ -57,6 +57,11 @@ inline fVec softmax_exp(const fVec& x) {
 #endif
 }
 
+// The sum a partial result gives a row that saw keys whose scores were all -inf (max -inf):
+// merge_partials then writes NaN unless another part or the sink has a finite score (an
+// ordinary row that saw no key has max -inf and sum 0).
+constexpr float kOnlyNegInfScores = -1.f;
+
 // One layer's options, fixed for a call.
 struct Options {
   int64_t heads, kv_heads, group, head_size, block_size, num_blocks;
@@ -125,19 +130,24 @@ inline void store_as(const float* src, int64_t n, C* dst) {
 // sum l_p and unnormalised accumulator acc_p, D floats) and the head's sink (-inf: none):
 // row = sum_p acc_p e^(m_p - M) / (sum_p l_p e^(m_p - M) + e^(sink - M)), M the largest of
 // the m_p and the sink (the log-sum-exp merge of FlashAttention's split-KV, Dao et al. 2023).
-// Nothing visible and no sink gives zeros, like an empty sum; a NaN anywhere in the maxima,
+// Nothing visible and no sink gives zeros, like an empty sum; keys visible whose scores are all
+// -inf (an infinite key or query), with no sink, give NaN (a part marks that with the sum
+// kOnlyNegInfScores), as the reference's softmax does; a NaN anywhere in the maxima,
 // sums or sink (a NaN or an infinite score: the softmax keeps NaN) gives a NaN row, as the
 // reference's softmax does, never zeros or a finite row that left the NaN key out.
 template <typename T>
 inline void merge_partials(T* dst, int64_t D, float sink, const float* maxes, const float* sums,
                            const float* const* accs, int64_t parts) {
   // std::max drops a NaN in its second argument: NaN is checked for on its own.
-  bool nan = std::isnan(sink);
+  bool nan = std::isnan(sink), only_neg_inf = false;
   float peak = sink;
   for (int64_t part = 0; part < parts; ++part) {
     nan = nan || std::isnan(maxes[part]) || std::isnan(sums[part]);
+    only_neg_inf = only_neg_inf || (maxes[part] == kNegInf && sums[part] == kOnlyNegInfScores);
     peak = std::max(peak, maxes[part]);
   }
+  // Keys seen, every score -inf, no sink: the reference's softmax gives -inf - (-inf) = NaN.
+  nan = nan || (peak == kNegInf && only_neg_inf);
   float denom = 0.f;
   if (peak != kNegInf) {
     for (int64_t part = 0; part < parts; ++part)

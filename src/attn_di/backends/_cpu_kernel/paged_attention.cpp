@@ -782,6 +782,7 @@ struct Kernel {
       mask_scores(s, item, scores, j0, nt);
     }
     softmax_numerators(scores, n, rows, sc.row_max.data(), sc.row_sum.data(), sc.pattern);
+    mark_only_neg_inf(s, item, sc);
     pack_probability_pairs(scores, n, rows, sc.prob_pairs);
     const int64_t npairs = (n + 1) / 2;
     const int64_t tiles_d = D / 16;  // C / B tiles across D
@@ -1002,6 +1003,7 @@ struct Kernel {
     std::vector<float>& row_max = sc.row_max;
     std::vector<float>& row_sum = sc.row_sum;
     softmax_numerators(scores, n, rows, row_max.data(), row_sum.data(), sc.pattern);
+    mark_only_neg_inf(s, item, sc);
     // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only.
     for (int64_t j0 = 0; j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
@@ -1060,6 +1062,21 @@ struct Kernel {
       }
     }
     finish_item(item, s, rows, sc);
+  }
+
+  // After the softmax: a row that sees keys of the item but whose scores were all -inf (an
+  // infinite key or query; masking never leaves a row only -inf scores of keys it sees) gets
+  // the sum kOnlyNegInfScores, so merge_partials writes NaN where no other part or sink has a
+  // finite score (the reference's softmax: -inf - (-inf) = NaN).
+  void mark_only_neg_inf(const Sequence& s, const Item& item, Scratch& sc) const {
+    const int64_t H = o.heads, first_pos = s.seq_len - s.q_len;
+    for (int64_t i = 0; i < s.q_len; ++i) {
+      const int64_t pos = first_pos + i;
+      const int64_t lo = std::max(item.start, o.window > 0 ? pos - o.window + 1 : int64_t{0});
+      if (lo >= std::min(item.stop, pos + 1)) continue;  // no key of the item visible
+      for (int64_t r = i * H; r < (i + 1) * H; ++r)
+        if (sc.row_max[r] == kNegInf) sc.row_sum[r] = kOnlyNegInfScores;
+    }
   }
 
   // The soft cap and ALiBi bias on the scores sj[r_lo, r_hi) of the item's key j (rows

@@ -76,6 +76,7 @@ struct Scratch {
   std::vector<C> q, k_rows, k_plain, k_pack, v_plain, v_pack, p;
   std::vector<float> o, m, l, s, line, rmax, rescale, shift;
   std::vector<char> started;  // per row block: its O holds a value
+  std::vector<char> saw;      // per row: it saw a key of the item (kOnlyNegInfScores)
   int64_t head_size = -1;     // the D the tile buffers are laid out (and zero-padded) for
 };
 
@@ -183,6 +184,7 @@ struct Prefill {
         if (!sc.started[b]) finish_block(sc, s, it, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock));
       return;
     }
+    mark_only_neg_inf(sc, 0, rows);
     const int64_t base = it.partial + it.part * rows;
     for (int64_t r = 0; r < rows; ++r) {  // a block no tile reached keeps m = -inf: O unused
       if (sc.m[r] != kNegInf)
@@ -216,9 +218,18 @@ struct Prefill {
     }
   }
 
+  // Rows [r0, r1) that saw keys whose scores were all -inf (an infinite key or query) get the
+  // sum kOnlyNegInfScores: merge_partials writes NaN for them where no other key range or
+  // sink has a finite score, as the reference's softmax (-inf - (-inf)) does.
+  void mark_only_neg_inf(Scratch<C>& sc, int64_t r0, int64_t r1) const {
+    for (int64_t r = r0; r < r1; ++r)
+      if (sc.saw[r] && sc.m[r] == kNegInf) sc.l[r] = kOnlyNegInfScores;
+  }
+
   // Output rows [r0, r1) of a whole-range item from its running state.
   void finish_block(Scratch<C>& sc, const PrefillSeq& s, const Item& it, int64_t r0, int64_t r1) const {
     const int64_t G = o.group;
+    mark_only_neg_inf(sc, r0, r1);
     for (int64_t r = r0; r < r1; ++r) {
       if (r % G == 0 && r + kRowsAhead * G < r1) prefetch_out(s, it, r / G + kRowsAhead);
       const float* acc = sc.o.data() + r * dv;
@@ -242,6 +253,7 @@ struct Prefill {
     sc.m.assign(rows, kNegInf);
     sc.l.assign(rows, 0.f);
     sc.started.assign(blocks, 0);
+    sc.saw.assign(rows, 0);
     sc.s.resize(kRowBlock * kKeyTile);
     sc.rmax.resize(kRowBlock);
     sc.rescale.resize(kRowBlock);
@@ -362,6 +374,9 @@ struct Prefill {
         }
         std::fill(sr, sr + j_lo, kNegInf);
         std::fill(sr + j_hi, sr + width, kNegInf);
+        if (j_lo < j_hi) sc.saw[r] = 1;
+      } else {
+        sc.saw[r] = 1;  // every key of the tile
       }
       sc.rmax[r - r0] = tile_max(sr, width);
     }
