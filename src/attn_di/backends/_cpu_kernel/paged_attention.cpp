@@ -570,7 +570,8 @@ struct Kernel {
 
   // The token row of key `pos` of sequence `seq`. Block sizes are powers of two in practice
   // (vLLM's 16, 32, 128): a shift and a mask then, not a 64-bit division per key.
-  const T* key_row(const CacheView<T>& view, const Sequence&, int64_t seq, int64_t pos) const {
+  __attribute__((always_inline)) const T* key_row(const CacheView<T>& view, const Sequence&, int64_t seq,
+                                                 int64_t pos) const {
     const int64_t bs = o.block_size;
     if ((bs & (bs - 1)) == 0) {
       const int shift = __builtin_ctzll(static_cast<unsigned long long>(bs));
