@@ -337,6 +337,50 @@ inline void pack_probability_pairs(const float* p, int64_t n, int64_t rows,
   }
 }
 
+// value_tile for bfloat16 rows of D a multiple of 32, widened by one VPUNPCKLWD / VPUNPCKHWD
+// against zero per 32 values (instead of two zero-extensions and two shifts): each 32 columns'
+// accumulators then hold D columns 8L + e (first) and 8L + 4 + e (second, L, e < 4), an order
+// kept for the whole item and put back by unpermute_rows.
+template <int NR>
+inline void value_tile_bf16_paired(const c10::BFloat16* const* v, int64_t nt, const float* p,
+                                   int64_t p_stride, float* acc, int64_t size) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t d = 0; d < size; d += 32) {
+    __m512 a[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      a[r][0] = _mm512_loadu_ps(acc + r * size + d);
+      a[r][1] = _mm512_loadu_ps(acc + r * size + d + 16);
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+      const __m512i x = _mm512_loadu_si512(v[t] + d);
+      const __m512 x0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+      const __m512 x1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+      for (int r = 0; r < NR; ++r) {
+        const __m512 pr = _mm512_set1_ps(p[t * p_stride + r]);
+        a[r][0] = _mm512_fmadd_ps(pr, x0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(pr, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm512_storeu_ps(acc + r * size + d, a[r][0]);
+      _mm512_storeu_ps(acc + r * size + d + 16, a[r][1]);
+    }
+  }
+}
+
+// `rows` accumulator rows of `size` (a multiple of 32) from value_tile_bf16_paired's order
+// back to D's: two permutes per 32 columns.
+inline void unpermute_rows(float* acc, int64_t rows, int64_t size) {
+  alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+  for (int64_t i = 0; i < rows * size; i += 32) {
+    const __m512 lo = _mm512_loadu_ps(acc + i), hi = _mm512_loadu_ps(acc + i + 16);
+    _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+
 constexpr bool kNativeBf16Dot = true;
 #else
 constexpr bool kNativeBf16Dot = false;
@@ -1005,7 +1049,10 @@ struct Kernel {
     std::vector<float>& row_sum = sc.row_sum;
     softmax_numerators(scores, n, rows, row_max.data(), row_sum.data(), sc.pattern);
     mark_only_neg_inf(s, item, sc);
-    // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only.
+    // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only. A tile_scores
+    // item (one token: every tile full; D a multiple of 32) keeps its accumulators in
+    // value_tile_bf16_paired's order until the end.
+    const bool paired = tiles;
     for (int64_t j0 = 0; j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
       for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
@@ -1027,7 +1074,10 @@ struct Kernel {
               const int64_t r0 = i * H + g * G;
               const float* pj = scores + j0 * rows + r0;
               for_head_groups(G, [&](auto nr, int64_t h) {
-                value_tile<T, decltype(nr)::value>(heads, nt, pj + h, rows, acc + (r0 + h) * D, D);
+                if (paired)
+                  value_tile_bf16_paired<decltype(nr)::value>(heads, nt, pj + h, rows, acc + (r0 + h) * D, D);
+                else
+                  value_tile<T, decltype(nr)::value>(heads, nt, pj + h, rows, acc + (r0 + h) * D, D);
               });
             }
             continue;
@@ -1062,6 +1112,9 @@ struct Kernel {
           }
       }
     }
+#if defined(ATTN_DI_AVX512_BF16)
+    if (paired) unpermute_rows(acc, rows, D);
+#endif
     finish_item(item, s, rows, sc);
   }
 
