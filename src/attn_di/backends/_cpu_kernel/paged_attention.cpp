@@ -1049,10 +1049,10 @@ struct Kernel {
     std::vector<float>& row_sum = sc.row_sum;
     softmax_numerators(scores, n, rows, row_max.data(), row_sum.data(), sc.pattern);
     mark_only_neg_inf(s, item, sc);
-    // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only. A tile_scores
-    // item (one token: every tile full; D a multiple of 32) keeps its accumulators in
+    // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only. A one-token
+    // bfloat16 item (every tile full) of D a multiple of 32 keeps its accumulators in
     // value_tile_bf16_paired's order until the end.
-    const bool paired = tiles;
+    const bool paired = kBf16Dot && s.q_len == 1 && D % 32 == 0;
     for (int64_t j0 = 0; j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
       for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
