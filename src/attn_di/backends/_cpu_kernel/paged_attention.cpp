@@ -368,16 +368,17 @@ inline void value_tile_bf16_paired(const c10::BFloat16* const* v, int64_t nt, co
   }
 }
 
-// `rows` accumulator rows of `size` (a multiple of 32) from value_tile_bf16_paired's order
-// back to D's: two permutes per 32 columns.
-inline void unpermute_rows(float* acc, int64_t rows, int64_t size) {
+// `size` floats (a multiple of 32) of src, in the order of a VPUNPCKLWD / VPUNPCKHWD pairing
+// (per 32 columns, position i holds column 8 (i / 4 % 4) + i % 4, + 4 for i >= 16), into dst
+// in D's order (dst may be src): two permutes per 32 columns.
+inline void unpermute_row(const float* src, float* dst, int64_t size) {
   alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
   alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
   const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
-  for (int64_t i = 0; i < rows * size; i += 32) {
-    const __m512 lo = _mm512_loadu_ps(acc + i), hi = _mm512_loadu_ps(acc + i + 16);
-    _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(lo, first, hi));
-    _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(lo, second, hi));
+  for (int64_t d = 0; d < size; d += 32) {
+    const __m512 lo = _mm512_loadu_ps(src + d), hi = _mm512_loadu_ps(src + d + 16);
+    _mm512_storeu_ps(dst + d, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(dst + d + 16, _mm512_permutex2var_ps(lo, second, hi));
   }
 }
 
@@ -673,6 +674,33 @@ struct Kernel {
     return gather;
   }
 
+  // The item's queries as B tiles: query_tiles[((g * chunks + c) * D/2 + p) * 16 + col] is
+  // the pair (q[2p], q[2p + 1]) of KV head g's query row m = c * 16 + col (token m / G, head
+  // g * G + m % G; zeros past its M = q_len x G rows, in chunks of 16): per 32 values of D, the
+  // chunk's query rows transposed as 32-bit words.
+  void pack_query_tiles(const Sequence& s, Scratch& sc) const {
+    const int64_t G = o.group, D = o.head_size, KV = o.kv_heads;
+    const int64_t M = s.q_len * G, chunks = (M + 15) / 16, words = D / 2 * 16;
+    sc.query_tiles.resize(KV * chunks * words);
+    for (int64_t g = 0; g < KV; ++g)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t cols = std::min<int64_t>(16, M - c * 16);
+        const T* src[16];
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t m = c * 16 + col;
+          src[col] = query + (s.first_query + m / G) * q_stride0 + (g * G + m % G) * q_stride1;
+        }
+        uint32_t* dst = sc.query_tiles.data() + (g * chunks + c) * words;
+        for (int64_t kc = 0; kc < D / 32; ++kc) {
+          __m512i r[16];
+          for (int64_t col = 0; col < 16; ++col)
+            r[col] = col < cols ? _mm512_loadu_si512(src[col] + kc * 32) : _mm512_setzero_si512();
+          transpose_16x16(r);
+          for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(dst + (kc * 16 + p) * 16, r[p]);
+        }
+      }
+  }
+
   // Pass 1 of a one-token item (q_len 1, G <= 16 query heads per KV head: kTileScoresMaxGroup
   // picks the items) on AMX tiles, for
   // run_item's vector pass 2: per 16 keys and KV head g, S^T = K Q^T with the key rows as the
@@ -686,18 +714,7 @@ struct Kernel {
     const int64_t H = o.heads, G = o.group, D = o.head_size, KV = o.kv_heads;
     const int64_t n = item.stop - item.start;
     const int64_t words = D / 2 * 16;  // a KV head's B tiles: D/32 tiles of 16 pair rows
-    sc.query_tiles.resize(KV * words);
-    for (int64_t g = 0; g < KV; ++g) {
-      const T* src = query + s.first_query * q_stride0 + g * G * q_stride1;
-      uint32_t* dst = sc.query_tiles.data() + g * words;
-      for (int64_t kc = 0; kc < D / 32; ++kc) {
-        __m512i r[16];
-        for (int64_t h = 0; h < 16; ++h)
-          r[h] = h < G ? _mm512_loadu_si512(src + h * q_stride1 + kc * 32) : _mm512_setzero_si512();
-        transpose_16x16(r);
-        for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(dst + (kc * 16 + p) * 16, r[p]);
-      }
-    }
+    pack_query_tiles(s, sc);  // one chunk per KV head: its G query rows
     sc.use_tiles(static_cast<int>(G * 4));
     const int64_t out_stride = H * 4;  // bytes between keys in the score block
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -750,7 +767,6 @@ struct Kernel {
     const int64_t n = item.stop - item.start;
     const int64_t M = s.q_len * G;           // query rows per KV head (tile columns)
     const int64_t chunks = (M + 15) / 16;    // of 16 columns
-    const int64_t pairs_per_row = D / 2;     // 32-bit words of a query row
     const int64_t width = chunks * 16;       // columns of sc.tile_out in pass 1
     // Query row m of KV head g is row r = (m / G) * H + g * G + m % G of the item.
     auto row_of = [&](int64_t g, int64_t m) { return (m / G) * H + g * G + m % G; };
@@ -761,33 +777,13 @@ struct Kernel {
     float* scores = sc.scores.data();
     float* acc = sc.acc.data();
 
-    // Queries as B tiles: query_tiles[((g * chunks + c) * D/2 + p) * 16 + col] is the pair
-    // (q[2p], q[2p + 1]) of column c * 16 + col (zeros past M): per 32 values of D, the
-    // chunk's query rows transposed as 32-bit words.
-    sc.query_tiles.resize(KV * chunks * pairs_per_row * 16);
-    for (int64_t g = 0; g < KV; ++g)
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t cols = std::min<int64_t>(16, M - c * 16);
-        const T* src[16];
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t m = c * 16 + col;
-          src[col] = query + (s.first_query + m / G) * q_stride0 + (g * G + m % G) * q_stride1;
-        }
-        uint32_t* dst = sc.query_tiles.data() + (g * chunks + c) * pairs_per_row * 16;
-        for (int64_t kc = 0; kc < D / 32; ++kc) {
-          __m512i r[16];
-          for (int64_t col = 0; col < 16; ++col)
-            r[col] = col < cols ? _mm512_loadu_si512(src[col] + kc * 32) : _mm512_setzero_si512();
-          transpose_16x16(r);
-          for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(dst + (kc * 16 + p) * 16, r[p]);
-        }
-      }
+    pack_query_tiles(s, sc);
 
     sc.use_tiles(64);
     sc.tile_out.resize(KV * 16 * width);
     float* tile_out = sc.tile_out.data();
     const int64_t jobs = KV * chunks;  // (KV head, column chunk) pairs, four C tiles at a time
-    const int64_t words_per_chunk = pairs_per_row * 16;
+    const int64_t words_per_chunk = D / 2 * 16;  // a chunk's B tiles (pack_query_tiles)
     // Pass 1: scores (scores[j * rows + r], scaled).
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t nt = std::min<int64_t>(16, n - j0);
@@ -913,21 +909,10 @@ struct Kernel {
         }
       }
     }
-    // Tile positions 32k + i hold D columns 32k + 8 (i / 4 % 4) + i % 4 (+ 4 for i >= 16):
-    // back in order, two permutes per 32 columns.
-    alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-    alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-    const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+    // The tiles' columns are in the unpack pairing's order: back in D's (unpermute_row).
     for (int64_t g = 0; g < KV; ++g)
-      for (int64_t m = 0; m < M; ++m) {
-        const float* src = out_tiles + ((g * chunks + m / 16) * 16 + m % 16) * D;
-        float* dst = acc + row_of(g, m) * D;
-        for (int64_t d = 0; d < D; d += 32) {
-          const __m512 lo = _mm512_loadu_ps(src + d), hi = _mm512_loadu_ps(src + d + 16);
-          _mm512_storeu_ps(dst + d, _mm512_permutex2var_ps(lo, first, hi));
-          _mm512_storeu_ps(dst + d + 16, _mm512_permutex2var_ps(lo, second, hi));
-        }
-      }
+      for (int64_t m = 0; m < M; ++m)
+        unpermute_row(out_tiles + ((g * chunks + m / 16) * 16 + m % 16) * D, acc + row_of(g, m) * D, D);
     finish_item(item, s, rows, sc);
   }
 #endif
@@ -989,8 +974,8 @@ struct Kernel {
           for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(keys, s, item.seq, item.start + j0 + t);
           for (int64_t g = 0; g < o.kv_heads; ++g) {
 #if defined(ATTN_DI_AVX512_BF16)
-            // The bfloat16 dot products have their own loop (here and in pass 2), not a branch
-            // inside the float32 one's head-group lambda: that single-loop form measured
+            // The bfloat16 dot products have their own loop (as pass 2's bfloat16 rows do), not
+            // a branch inside the float32 one's head-group lambda: that single-loop form measured
             // 0.85-0.98x of vLLM's op in bfloat16 decode B8 x 2048 against 0.75x for this one.
             if constexpr (kBf16Dot) {
               const T* heads[kTile];
@@ -1113,7 +1098,8 @@ struct Kernel {
       }
     }
 #if defined(ATTN_DI_AVX512_BF16)
-    if (paired) unpermute_rows(acc, rows, D);
+    if (paired)
+      for (int64_t r = 0; r < rows; ++r) unpermute_row(acc + r * D, acc + r * D, D);
 #endif
     finish_item(item, s, rows, sc);
   }
