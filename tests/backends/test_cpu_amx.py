@@ -2,9 +2,12 @@
 
 Two paths read the paged cache in place on tiles. ``run_item_amx`` multiplies both products on
 tiles: key rows straight into tiles where 16 of them are one block's consecutive slots,
-gathered where not; value rows interleaved in pairs. ``tile_scores`` takes one-token items of
-at most eight query heads per KV head: the scores on tiles as narrow as the KV head's query
-rows, stored straight into the score block, and P V by float32 FMAs on vector registers.
+gathered where not; value rows interleaved in pairs. One-token items of at most 16 query heads
+per KV head take ``tile_scores`` and ``tile_values``: the scores on tiles as narrow as the KV
+head's query rows, stored straight into the score block, and P V with the value rows in place
+as B tiles (even and odd columns from two A tiles of the probabilities); an item whose P V
+there holds a NaN (a non-finite value, which the zero half of an A tile spreads to the
+neighbouring column) is redone on vector registers.
 These cases cross each branch (column chunks of 16 query rows, one to more than four per KV
 head; KV heads in groups of four C tiles and a partial group; tiles inside a block, across
 blocks and past the item; head sizes of one to eight tiles of 32; every layer option; every
@@ -15,12 +18,19 @@ tell one path from another.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from attn_di.backends import _cpu_kernel
 from tests.backends.reference import Options, make_batch, reference_attention
-from tests.backends.test_cpu_kernel import assert_matches, requires_kernel, run_both_paths
+from tests.backends.test_cpu_kernel import (
+    TOLERANCES,
+    assert_matches,
+    requires_kernel,
+    run_both_paths,
+)
 
 
 def _amx_active() -> bool:
@@ -34,11 +44,12 @@ requires_amx = pytest.mark.skipif("not _amx_active()", reason="needs the amx bui
 PATHS = ("amx", "tiles", "vector")
 
 
-def _decode_items() -> tuple[int, int, int]:
-    """Decode items run so far in this process: (on AMX tiles, scores on AMX tiles and P V on
-    vector registers, on vector registers)."""
-    amx, tiles, vector = torch.ops.attn_di.decode_items()
-    return int(amx), int(tiles), int(vector)
+def _decode_items() -> tuple[int, int, int, int]:
+    """Decode items run so far in this process: (on AMX tiles, scores and P V on AMX tiles
+    with the softmax on vector registers, on vector registers, items of the second kind whose
+    P V was redone on vector registers)."""
+    amx, tiles, vector, redone = torch.ops.attn_di.decode_items()
+    return int(amx), int(tiles), int(vector), int(redone)
 
 
 _SINKS = torch.randn(16, generator=torch.Generator().manual_seed(0))
@@ -82,10 +93,10 @@ CASES = {
         {"amx", "tiles"},
     ),
     # 16 x 16 = 256 query rows of one KV head: 16 column chunks, four C tiles at a time; the
-    # one-token sequence of 16 heads per KV head on run_item_amx too
+    # one-token sequence of 16 heads per KV head (A tiles of 16 rows) on tile_scores
     "d32-many-chunks": (
         (Options(16, 1, 32, sinks=_SINKS), [16, 1], [40, 300], 16, "head-major"),
-        {"amx"},
+        {"amx", "tiles"},
     ),
     # SmolLM2's decode (3 query heads per KV head of D = 64)
     "smollm2-decode": ((Options(9, 3, 64), [1, 1], [560, 31], 32, "declared"), {"tiles"}),
@@ -140,7 +151,8 @@ def _run(
     expected = reference_attention(opts, batch)
     assert_matches(kernel_out, expected, torch.bfloat16)
     assert_matches(torch_out, expected, torch.bfloat16)
-    return {path: a - b for path, a, b in zip(PATHS, after, before, strict=True)}
+    assert after[3] == before[3]  # finite inputs: tile_values never hands an item back
+    return {path: a - b for path, a, b in zip(PATHS, after[:3], before[:3], strict=True)}
 
 
 @requires_kernel
@@ -148,9 +160,10 @@ def _run(
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", list(CASES))
 def test_decode_paths_match_reference(name: str, threads: int, kernel_calls: list[int]) -> None:
-    """Each batch's items take the paths its shapes call for (run_item_amx where query rows
-    per KV head x D >= 512, tile_scores for one-token items of <= 8 query heads per KV head
-    and D a multiple of 32, vector registers otherwise), and match the float64 reference."""
+    """Each batch's items take the paths its shapes call for (tile_scores and tile_values for
+    one-token items of <= 16 query heads per KV head and D a multiple of 32, else run_item_amx
+    where query rows per KV head x D >= 512, vector registers otherwise), and match the
+    float64 reference."""
     case, paths = CASES[name]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -176,3 +189,36 @@ def test_float32_and_float16_never_take_the_tiles(kernel_calls: list[int]) -> No
         assert after[0] == before[0]
         assert after[1] == before[1]
         assert after[2] > before[2]
+
+
+@requires_kernel
+@requires_amx
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+def test_a_non_finite_value_on_the_tiles_stays_in_its_column(
+    bad: float, kernel_calls: list[int]
+) -> None:
+    """A non-finite element in column 5 of one value row (KV head 0) of a one-token item: the
+    float64 reference makes column 5 of that KV head's rows non-finite and leaves column 4
+    finite. tile_values would spread it into column 4 (the zero beside each probability in an
+    A tile times Inf or NaN is NaN), so it hands the item back and the vector registers redo
+    P V: the output matches the reference value for value, and the kernel says it redid it."""
+    opts = Options(8, 2, 64)
+    batch = make_batch(opts, [1, 1], [40, 70], 16, torch.bfloat16)
+    batch.value[0, 0, 5] = bad  # sequence 0's new token (position 39), KV head 0
+    batch.full_values[0][39, 0, 5] = bad
+    expected = reference_attention(opts, batch)
+    heads = expected[0].view(8, 64)  # sequence 0's token: its 8 heads' output rows
+    assert not bool(torch.isfinite(heads[:4, 5]).any())
+    assert bool(torch.isfinite(heads[:4, 4]).all())
+
+    before = _decode_items()
+    kernel_out, _ = run_both_paths(opts, batch, kernel_calls, 16)
+    after = _decode_items()
+
+    assert after[1] - before[1] == 2  # both one-token items on the tiles
+    assert after[0] == before[0]
+    assert after[2] == before[2]
+    assert after[3] - before[3] == 1  # sequence 0's item, not sequence 1's
+    assert torch.equal(kernel_out.isnan(), expected.isnan())
+    tol = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(kernel_out.double(), expected, atol=tol, rtol=tol, equal_nan=True)

@@ -304,9 +304,10 @@ def test_kernel_status_says_how_bfloat16_is_computed() -> None:
     decode, prefill = status.bfloat16.split("; ")
     if status.isa == "amx":
         assert decode in (
-            "decode (D a multiple of 32): one-token queries of <= 8 heads per KV head score on "
-            "AMX tiles and take P V by float32 FMA, other queries of query rows per KV head x D "
-            ">= 512 run on AMX tiles, AVX512_BF16 scores and float32 FMA P V elsewhere",
+            "decode (D a multiple of 32): one-token queries of <= 16 heads per KV head run both "
+            "products on AMX tiles with the value rows in place, other queries of query rows per "
+            "KV head x D >= 512 run on AMX tiles, AVX512_BF16 scores and float32 FMA P V "
+            "elsewhere",
             # the build runs where Linux refuses the tile state, and says so
             *([decode] if decode.startswith(_NO_AMX) else []),
         )
@@ -1033,11 +1034,13 @@ def test_a_failed_build_reports_the_compiler_and_leaves_nothing_behind(
 
 
 # Where a non-finite value goes in (what, its value): a key every query row of KV head 0 sees,
-# one query row's query. (A NaN sink never gets this far: the impl refuses it, typed.)
+# one query row's query, one element of a value row every query row of KV head 0 sees. (A NaN
+# sink never gets this far: the impl refuses it, typed.)
 _NON_FINITE = {
     "nan-key": ("key", math.nan),
     "inf-key": ("key", math.inf),
     "nan-query": ("query", math.nan),
+    "nan-value": ("value", math.nan),
 }
 # (query length, head size): the decode kernel on vector registers, on AMX tiles (bfloat16
 # on the amx build), and the prefill kernel.
@@ -1063,6 +1066,9 @@ def test_non_finite_inputs_reach_the_output_as_the_reference_has_them(
     if what == "key":  # the first new token of sequence 0 (position 40 - q_len), KV head 0
         batch.key[0, 0, 5] = bad
         batch.full_keys[0][40 - q_len, 0, 5] = bad
+    elif what == "value":
+        batch.value[0, 0, 5] = bad
+        batch.full_values[0][40 - q_len, 0, 5] = bad
     else:
         batch.query[0, 1, 3] = bad
     expected = reference_attention(opts, batch)

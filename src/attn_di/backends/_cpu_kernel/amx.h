@@ -11,7 +11,8 @@
 // when the key rows are the A operand: the kernel computes S^T = K Q^T (keys as rows, query
 // rows as columns) with the queries packed once per item, and O = P V with the
 // probabilities transposed into A and two value rows at a time interleaved into B
-// (paged_attention.cpp, Kernel::run_item_amx).
+// (paged_attention.cpp, Kernel::run_item_amx), or, for one-token items, with 16 value rows in
+// place as B and the probabilities beside zeros in two A tiles (Kernel::tile_values).
 #pragma once
 
 #if defined(ATTN_DI_AMX)
@@ -73,6 +74,18 @@ inline void configure_tiles(int narrow_bytes = 64) {
   for (int t = 0; t < 8; ++t) {
     config.colsb[t] = static_cast<uint16_t>(t == 4 || t == 6 ? 64 : narrow_bytes);
     config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Loads the configuration of Kernel::tile_values (paged_attention.cpp): C tiles 0-3 and A
+// tiles 4, 5 of `rows` rows (the query heads of one KV head), B tiles 6, 7 of 16 rows (value
+// rows in place), all 64 bytes wide.
+inline void configure_value_tiles(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16);
   }
   _tile_loadconfig(&config);
 }

@@ -113,17 +113,24 @@ inline void convert_head(const T* src, int64_t n, float* dst) {
   }
 }
 
-// `n` float32 values into `dst` of type C (a copy for float).
+// `n` float32 values times `factor` into `dst` of type C (a copy for float and factor 1).
 template <typename C>
-inline void store_as(const float* src, int64_t n, C* dst) {
+inline void store_as(const float* src, int64_t n, C* dst, float factor = 1.f) {
   if constexpr (std::is_same_v<C, float>) {
-    std::copy(src, src + n, dst);
-  } else {
-    int64_t j = 0;
-    for (; j + 2 * kLanes <= n; j += 2 * kLanes)
-      at::vec::convert_from_float<C>(fVec::loadu(src + j), fVec::loadu(src + j + kLanes)).store(dst + j);
-    for (; j < n; ++j) dst[j] = static_cast<C>(src[j]);
+    if (factor == 1.f) {
+      std::copy(src, src + n, dst);
+      return;
+    }
   }
+  const fVec f(factor);
+  int64_t j = 0;
+  if constexpr (std::is_same_v<C, float>) {
+    for (; j + kLanes <= n; j += kLanes) (fVec::loadu(src + j) * f).store(dst + j);
+  } else {
+    for (; j + 2 * kLanes <= n; j += 2 * kLanes)
+      at::vec::convert_from_float<C>(fVec::loadu(src + j) * f, fVec::loadu(src + j + kLanes) * f).store(dst + j);
+  }
+  for (; j < n; ++j) dst[j] = static_cast<C>(src[j] * factor);
 }
 
 // One output row from the partial results of `parts` key ranges (each its running max m_p,
@@ -138,6 +145,13 @@ inline void store_as(const float* src, int64_t n, C* dst) {
 template <typename T>
 inline void merge_partials(T* dst, int64_t D, float sink, const float* maxes, const float* sums,
                            const float* const* accs, int64_t parts) {
+  // One part with a finite max and sum, no sink (most rows): M = m_0 and the row is acc_0 / l_0,
+  // the same products as the general path below (whose weight is e^0 / l_0 = 1 / l_0).
+  if (parts == 1 && sink == kNegInf && std::isfinite(maxes[0]) && std::isfinite(sums[0]) && sums[0] > 0.f) {
+    const float weight = 1.f / sums[0];
+    store_as<T>(accs[0], D, dst, weight);
+    return;
+  }
   // std::max drops a NaN in its second argument: NaN is checked for on its own.
   bool nan = std::isnan(sink), only_neg_inf = false;
   float peak = sink;

@@ -30,8 +30,8 @@
 // several partitions are merged afterwards through their (max, sum) pairs (log-sum-exp
 // merge, Milakov & Gimelshein 2018). Items are handed out dynamically, longest first, to
 // the threads of torch's own intra-op pool (at::parallel_for). In the amx build, bfloat16
-// items take AMX tiles for one or both passes (tile_scores, run_item_amx; kAmxMinRowWork and
-// kTileScoresMaxGroup say which), reading the cache in place all the same.
+// items take AMX tiles for both passes (tile_scores and tile_values, or run_item_amx;
+// kTileScoresMaxGroup and kAmxMinRowWork say which), reading the cache in place all the same.
 //
 // Only slots of positions a query may see are ever loaded; a masked score never enters a
 // product, so garbage (NaN/Inf) anywhere else in the cache cannot reach the output.
@@ -70,13 +70,16 @@ constexpr int64_t kItemCost = 64;
 // 128) 2.15 / 2.32, SmolLM2 decode (3 rows of 64) 0.14 / 0.12.
 constexpr int64_t kAmxMinRowWork = 512;
 
-// A one-token item of at most this many query heads per KV head computes its scores on AMX
-// tiles and P V with float32 FMAs (run_item with tile_scores) rather than run_item_amx,
-// whose interleaved value tiles pay off for more rows. Microbenchmark on the Xeon with AMX,
-// one thread, one sequence of 1024 keys, us (tile_scores / run_item_amx): G = 3 of D = 64
-// 27 / 54 (SmolLM2), G = 4 of 128 211-214 / 296, G = 6 of 128 54 / 59, G = 8 of 64 36 / 40,
-// G = 8 of 128 142-161 / 151-157, G = 16 of 128 97 / 71.
-constexpr int64_t kTileScoresMaxGroup = 8;
+// A one-token item of at most this many query heads per KV head (16: the rows of a tile)
+// computes its scores (tile_scores) and P V (tile_values) on AMX tiles with the value rows in
+// place, rather than run_item_amx, which interleaves value rows in pairs. Microbenchmark on
+// the Xeon with AMX, one thread, one sequence of 1024 keys, us, ours / vLLM's op in the same
+// process (noisy: +-10%): G = 3 of D = 64 (SmolLM2) 21-22 / 16 (scores on tiles, P V by
+// float32 FMA: 23-25 / 16-18); G = 4 of 128 x 8 KV heads 186-206 / 139-155 (FMA P V: 216 /
+// 140); G = 8 of 128 32-36 / 21-22; G = 16 of 128 29 / 21-24 (run_item_amx: 39 / 22); G = 12
+// of 64 x 2 KV heads 28 / 26 (run_item_amx: 46 / 24). Both products are bound by TDPBF16PS
+// throughput there (perf), not by the vector work around them.
+constexpr int64_t kTileScoresMaxGroup = 16;
 
 // Tokens per tile: rows whose pointers are resolved together and read register-blocked.
 constexpr int64_t kTile = 16;
@@ -85,9 +88,11 @@ constexpr int64_t kTile = 16;
 constexpr int64_t kDecodeMaxQuery = 16;
 
 // Decode items run in this process (decode_items(), for tests that ask which path ran): [0] on
-// AMX tiles (run_item_amx), [1] scores on AMX tiles and the rest on vector registers (run_item
-// with tile_scores), [2] on vector registers.
-std::atomic<int64_t> g_item_counts[3] = {0, 0, 0};
+// AMX tiles (run_item_amx), [1] scores and P V on AMX tiles with the softmax on vector
+// registers (run_item with tile_scores and tile_values), [2] on vector registers; [3] of the
+// items of [1], those whose P V tile_values handed back to vector registers (a NaN in its
+// accumulators, from a non-finite input).
+std::atomic<int64_t> g_item_counts[4] = {0, 0, 0, 0};
 
 struct Sequence {
   int64_t first_query, q_len, seq_len, lo;  // lo: first key any of its queries sees
@@ -495,6 +500,13 @@ inline void for_head_groups(int64_t G, F&& f) {
 }
 
 
+// A tile operand read from the cache: 16 key rows of KV head 0 at `base`, `head` elements to
+// the next KV head's, `stride` bytes between keys (Kernel::tile_values).
+struct TileOperand {
+  const c10::BFloat16* base;
+  int64_t head, stride;
+};
+
 // Per-thread scratch, kept by each thread of the pool across calls (a decode step's calls are
 // short: allocating per call would cost as much as the work), grown as needed.
 struct Scratch {
@@ -507,15 +519,28 @@ struct Scratch {
   // and tiles stored back as float32.
   std::vector<uint32_t> query_tiles, prob_tiles;
   std::vector<c10::BFloat16> value_tiles, key_gather;
+  // tile_values: the probabilities as A tiles, and the value rows of the 16-key groups not in
+  // place (tile_in_place), gathered.
+  std::vector<uint32_t> prob_words;
+  std::vector<c10::BFloat16> value_gather;
+  std::vector<TileOperand> value_operands;
   std::vector<float> tile_out, out_tiles;
   std::vector<int32_t> col_rows;
 #if defined(ATTN_DI_AMX)
-  int tile_bytes = 0;  // the C tiles' width this thread configured (configure_tiles); 0: none
+  // The tile configuration this thread loaded: C tiles `bytes` wide (configure_tiles), minus
+  // the rows of configure_value_tiles, or 0: none.
+  int tile_bytes = 0;
 
   // The tile configuration of C tiles `bytes` wide on this thread, loaded unless it is already.
   void use_tiles(int bytes) {
     if (tile_bytes != bytes) configure_tiles(bytes);
     tile_bytes = bytes;
+  }
+
+  // The configuration of tile_values for `rows` query heads per KV head, unless it is loaded.
+  void use_value_tiles(int rows) {
+    if (tile_bytes != -rows) configure_value_tiles(rows);
+    tile_bytes = -rows;
   }
 #endif
 
@@ -528,8 +553,9 @@ struct Scratch {
 // Softmax numerators of a token-major score block (scores[j * rows + r], n keys) in place:
 // per row r its max over the keys into row_max[r], then e = exp(s - max) in place and its
 // sum into row_sum[r] (row_max and row_sum start at -inf and 0). A row whose scores are all
-// -inf is shifted by 0 and sums to 0; a NaN score makes its row's max, numerators and sum NaN
-// (and merge_partials its output row NaN, as the reference's softmax gives).
+// -inf is shifted by 0 and sums to 0; a NaN score makes its row's numerators and sum NaN (and
+// merge_partials its output row NaN, as the reference's softmax gives): the max leaves NaN
+// out (one VMAXPS per vector, no NaN-propagating compare and blend), softmax_exp keeps it.
 //
 // The block is swept as one flat array of full vectors. Element i belongs to row i % rows,
 // so the rows of the lanes repeat with period P = lcm(rows, kLanes): one period's worth of
@@ -551,12 +577,17 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* ro
     for (int64_t k = 0; k < len; k += kLanes) {
       const int64_t count = std::min(kLanes, len - k);
       const fVec old = fVec::loadu(lanes + k);
-      const fVec peak = at::vec::maximum(old, fVec::loadu(scores + c + k, count));
+      const fVec x = fVec::loadu(scores + c + k, count);
+#if defined(CPU_CAPABILITY_AVX512)
+      const fVec peak = _mm512_max_ps(x, old);  // VMAXPS: `old` where x is NaN
+#else
+      const fVec peak = fVec::blendv(old, x, x > old);
+#endif
       fVec::set(old, peak, count).store(lanes + k);
     }
   }
-  for (int64_t p = 0, r = 0; p < used; ++p, r = r + 1 == rows ? 0 : r + 1)  // NaN kept
-    if (std::isnan(lanes[p]) || lanes[p] > row_max[r]) row_max[r] = lanes[p];
+  for (int64_t p = 0, r = 0; p < used; ++p, r = r + 1 == rows ? 0 : r + 1)
+    if (lanes[p] > row_max[r]) row_max[r] = lanes[p];
   for (int64_t p = 0, r = 0; p < period; ++p, r = r + 1 == rows ? 0 : r + 1) {
     lanes[p] = row_max[r] == kNegInf ? 0.f : row_max[r];
     sums[p] = 0.f;
@@ -647,31 +678,44 @@ struct Kernel {
   }
 
 #if defined(ATTN_DI_AMX)
+  // Whether positions [pos, pos + nt) are 16 consecutive slots of one block: their rows of a
+  // cache plane are then a tile operand in place (a token row apart).
+  bool tile_in_place(int64_t pos, int64_t nt) const {
+    return nt == 16 && pos / o.block_size == (pos + 15) / o.block_size;
+  }
+
+  // The rows of positions [pos, pos + 16) of one cache plane, every KV head, gathered into
+  // `gather` ([KV, 16, D]; zeros past the item's `nt` positions).
+  void gather_tile(const CacheView<T>& view, const Sequence& s, const Item& item, int64_t pos, int64_t nt,
+                   c10::BFloat16* gather) const {
+    const int64_t D = o.head_size, KV = o.kv_heads;
+    for (int64_t t = 0; t < 16; ++t) {
+      const T* row = t < nt ? key_row(view, s, item.seq, pos + t) : nullptr;
+      for (int64_t g = 0; g < KV; ++g) {
+        c10::BFloat16* dst = gather + (g * 16 + t) * D;
+        if (row) std::memcpy(dst, row + g * view.head_stride, D * 2);
+        else std::memset(dst, 0, D * 2);
+      }
+    }
+  }
+
   // The A operand of keys [pos, pos + 16) of the item (all KV heads): their rows in place
   // where they are one block's consecutive slots, else gathered into sc.key_gather (zeros
   // past the item's `nt` keys). Returns head 0's first row; `head` (elements) and `stride`
   // (bytes) step to another head and key.
   const T* key_tile(const Sequence& s, const Item& item, int64_t pos, int64_t nt, Scratch& sc,
                     int64_t& head, int64_t& stride) const {
-    const int64_t bs = o.block_size, D = o.head_size, KV = o.kv_heads;
-    if (nt == 16 && pos / bs == (pos + 15) / bs) {
+    const int64_t D = o.head_size;
+    if (tile_in_place(pos, nt)) {
       head = keys.head_stride;
       stride = keys.token_stride * 2;
       return key_row(keys, s, item.seq, pos);
     }
-    sc.key_gather.resize(KV * 16 * D);
-    c10::BFloat16* gather = sc.key_gather.data();
-    for (int64_t t = 0; t < 16; ++t) {
-      const T* row = t < nt ? key_row(keys, s, item.seq, pos + t) : nullptr;
-      for (int64_t g = 0; g < KV; ++g) {
-        c10::BFloat16* dst = gather + (g * 16 + t) * D;
-        if (row) std::memcpy(dst, row + g * keys.head_stride, D * 2);
-        else std::memset(dst, 0, D * 2);
-      }
-    }
+    sc.key_gather.resize(o.kv_heads * 16 * D);
+    gather_tile(keys, s, item, pos, nt, sc.key_gather.data());
     head = 16 * D;
     stride = D * 2;
-    return gather;
+    return sc.key_gather.data();
   }
 
   // The item's queries as B tiles: query_tiles[((g * chunks + c) * D/2 + p) * 16 + col] is
@@ -742,6 +786,124 @@ struct Kernel {
     for (; i + kLanes <= total; i += kLanes) (fVec::loadu(scores + i) * scale).store(scores + i);
     if (i < total) (fVec::loadu(scores + i, total - i) * scale).store(scores + i, total - i);
     for (int64_t j0 = 0; j0 < n; j0 += 16) mask_scores(s, item, scores, j0, std::min<int64_t>(16, n - j0));
+  }
+
+  // Pass 2 of a tile_scores item on AMX tiles: acc[r] = sum_j p[j, r] v_j, the value rows read
+  // in place as B tiles (16 keys x 32 values of D, a token row apart; gathered where a group's
+  // 16 keys are not one block's consecutive slots, or past the item). TDPBF16PS pairs adjacent
+  // B columns (it adds A[m, 2k] B[k, 2n] + A[m, 2k + 1] B[k, 2n + 1] into C[m, n]), so with
+  // the keys' value rows as B rows, one A tile holding (p, 0) per key gives D's even columns
+  // and one holding (0, p) its odd columns: two products per B tile, no value packing. P is
+  // rounded to bfloat16 (as vLLM's AMX kernel and run_item_amx round it); the sums are
+  // float32. `probs` is the token-major numerator block (probs[j * H + r], n keys).
+  //
+  // A zero in the A tile still multiplies its B neighbour, and 0 x Inf is NaN: a value row
+  // with an infinite or NaN element would spread NaN into the next column, which the
+  // reference keeps finite. So the accumulators are checked for NaN afterwards, and an item
+  // that has one (only ever on non-finite inputs) returns false to be redone on the vector
+  // path, whose NaN is exactly the reference's.
+  bool tile_values(const Item& item, const Sequence& s, Scratch& sc, const float* probs, float* acc) const {
+    const int64_t H = o.heads, G = o.group, D = o.head_size, KV = o.kv_heads;
+    const int64_t n = item.stop - item.start, groups = (n + 15) / 16;
+    // B operands: a group's rows in place, or its slot of value_gather.
+    int64_t gathered = 0;
+    for (int64_t q = 0; q < groups; ++q)
+      gathered += tile_in_place(item.start + q * 16, std::min<int64_t>(16, n - q * 16)) ? 0 : 1;
+    sc.value_gather.resize(gathered * KV * 16 * D);
+    sc.value_operands.resize(groups);
+    TileOperand* bases = sc.value_operands.data();
+    for (int64_t q = 0, slot = 0; q < groups; ++q) {
+      const int64_t pos = item.start + q * 16, nt = std::min<int64_t>(16, n - q * 16);
+      if (tile_in_place(pos, nt)) {
+        bases[q] = {key_row(values, s, item.seq, pos), values.head_stride, values.token_stride * 2};
+      } else {
+        c10::BFloat16* gather = sc.value_gather.data() + slot++ * KV * 16 * D;
+        gather_tile(values, s, item, pos, nt, gather);
+        bases[q] = {gather, 16 * D, D * 2};
+      }
+    }
+    // A operands: per KV head g and group q, G rows of (p, 0) words (query head g * G + m,
+    // 16 keys), then G rows of (0, p); from the token-major block by 16 x 16 transposes of
+    // 16 keys x 16 heads (zeros past the item's keys: the rows there are not probabilities).
+    sc.prob_words.resize(groups * 2 * H * 16);
+    uint32_t* words = sc.prob_words.data();
+    auto word_row = [&](int64_t g, int64_t q, int64_t parity, int64_t m) {
+      return words + (((g * groups + q) * 2 + parity) * G + m) * 16;
+    };
+    for (int64_t q = 0; q < groups; ++q) {
+      const int64_t nt = std::min<int64_t>(16, n - q * 16);
+      for (int64_t h0 = 0; h0 < H; h0 += 16) {
+        const int64_t heads = std::min<int64_t>(16, H - h0);
+        const __mmask16 in = static_cast<__mmask16>((1u << heads) - 1);
+        __m512i r[16];
+        for (int64_t t = 0; t < 16; ++t)
+          r[t] = t < nt ? _mm512_castps_si512(_mm512_maskz_loadu_ps(in, probs + (q * 16 + t) * H + h0))
+                        : _mm512_setzero_si512();
+        transpose_16x16(r);
+        for (int64_t h = 0; h < heads; ++h) {
+          const __m512i even =
+              _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[h])));
+          const int64_t g = (h0 + h) / G, m = (h0 + h) % G;
+          _mm512_storeu_si512(word_row(g, q, 0, m), even);
+          _mm512_storeu_si512(word_row(g, q, 1, m), _mm512_slli_epi32(even, 16));
+        }
+      }
+    }
+    alignas(64) static const int32_t kLow[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    alignas(64) static const int32_t kHigh[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+    sc.out_tiles.resize(4 * 16 * 16);
+    float* out = sc.out_tiles.data();
+    sc.use_value_tiles(static_cast<int>(G));
+    for (int64_t g = 0; g < KV; ++g) {
+      // 64 values of D at a time: C tiles 0, 1 (even, odd columns of the first 32), 2, 3.
+      for (int64_t d = 0; d < D; d += 64) {
+        const bool two = d + 32 < D;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int64_t q = 0; q < groups; ++q) {
+          const TileOperand& b = bases[q];
+          const c10::BFloat16* v = b.base + g * b.head + d;
+          _tile_loadd(4, word_row(g, q, 0, 0), 64);
+          _tile_loadd(5, word_row(g, q, 1, 0), 64);
+          _tile_loadd(6, v, b.stride);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+          if (two) {
+            _tile_loadd(7, v + 32, b.stride);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, out, 64);
+        _tile_stored(1, out + 256, 64);
+        if (two) {
+          _tile_stored(2, out + 512, 64);
+          _tile_stored(3, out + 768, 64);
+        }
+        for (int64_t m = 0; m < G; ++m) {
+          float* dst = acc + (g * G + m) * D + d;
+          for (int64_t half = 0; half < (two ? 2 : 1); ++half) {
+            const __m512 even = _mm512_loadu_ps(out + half * 512 + m * 16);
+            const __m512 odd = _mm512_loadu_ps(out + half * 512 + 256 + m * 16);
+            _mm512_storeu_ps(dst + half * 32, _mm512_permutex2var_ps(even, low, odd));
+            _mm512_storeu_ps(dst + half * 32 + 16, _mm512_permutex2var_ps(even, high, odd));
+          }
+        }
+      }
+    }
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < H * D; i += kLanes) {
+      const __m512 x = _mm512_loadu_ps(acc + i);
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    }
+    if (nan == 0) return true;
+    std::fill(acc, acc + H * D, 0.f);
+    return false;
   }
 
   // run_item on AMX tiles (bfloat16 caches, D a multiple of 32; see amx.h). The same two
@@ -919,7 +1081,7 @@ struct Kernel {
 
   void run_item(const Item& item, Scratch& sc) const {
     const Sequence& s = (*seqs)[item.seq];
-    bool tiles = false;  // pass 1 on AMX tiles (tile_scores), pass 2 below
+    bool tiles = false;  // both passes on AMX tiles (tile_scores, tile_values), the softmax below
 #if defined(ATTN_DI_AMX)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       tiles = amx && s.q_len == 1 && o.group <= kTileScoresMaxGroup;
@@ -1037,8 +1199,16 @@ struct Kernel {
     // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only. A one-token
     // bfloat16 item (every tile full) of D a multiple of 32 keeps its accumulators in
     // value_tile_bf16_paired's order until the end.
-    const bool paired = kBf16Dot && s.q_len == 1 && D % 32 == 0;
-    for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+    bool values_done = false;  // by tile_values
+#if defined(ATTN_DI_AMX)
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      if (tiles) {
+        values_done = tile_values(item, s, sc, scores, acc);
+        if (!values_done) g_item_counts[3].fetch_add(1, std::memory_order_relaxed);
+      }
+#endif
+    const bool paired = kBf16Dot && s.q_len == 1 && D % 32 == 0 && !values_done;
+    for (int64_t j0 = 0; !values_done && j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
       for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
           prefetch_row(key_row(values, s, item.seq, item.start + t), o.kv_heads, D, values.head_stride);
@@ -1107,7 +1277,8 @@ struct Kernel {
   // After the softmax: a row that sees keys of the item but whose scores were all -inf (an
   // infinite key or query; masking never leaves a row only -inf scores of keys it sees) gets
   // the sum kOnlyNegInfScores, so merge_partials writes NaN where no other part or sink has a
-  // finite score (the reference's softmax: -inf - (-inf) = NaN).
+  // finite score (the reference's softmax: -inf - (-inf) = NaN). A row that also saw a NaN
+  // score keeps its NaN sum (softmax_numerators leaves NaN out of the max).
   void mark_only_neg_inf(const Sequence& s, const Item& item, Scratch& sc) const {
     const int64_t H = o.heads, first_pos = s.seq_len - s.q_len;
     for (int64_t i = 0; i < s.q_len; ++i) {
@@ -1115,7 +1286,7 @@ struct Kernel {
       const int64_t lo = std::max(item.start, o.window > 0 ? pos - o.window + 1 : int64_t{0});
       if (lo >= std::min(item.stop, pos + 1)) continue;  // no key of the item visible
       for (int64_t r = i * H; r < (i + 1) * H; ++r)
-        if (sc.row_max[r] == kNegInf) sc.row_sum[r] = kOnlyNegInfScores;
+        if (sc.row_max[r] == kNegInf && sc.row_sum[r] == 0.f) sc.row_sum[r] = kOnlyNegInfScores;
     }
   }
 
@@ -1751,8 +1922,8 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 
 std::string isa() { return ATTN_DI_STRINGIFY(ATTN_DI_KERNEL_ISA); }
 
-// The decode kernel's items run so far in this process: [on AMX tiles, scores on AMX tiles and
-// the rest on vector registers, on vector registers].
+// The decode kernel's items run so far in this process: [on AMX tiles, scores and P V on AMX
+// tiles, on vector registers, P V of the second kind redone on vector registers].
 std::vector<int64_t> decode_items() {
   std::vector<int64_t> counts;
   for (const auto& count : g_item_counts) counts.push_back(count.load(std::memory_order_relaxed));
@@ -1763,10 +1934,10 @@ std::vector<int64_t> decode_items() {
 std::string bf16_paths() {
 #if defined(ATTN_DI_AMX)
   std::string decode = amx_state().usable
-                           ? "decode (D a multiple of 32): one-token queries of <= 8 heads per KV "
-                             "head score on AMX tiles and take P V by float32 FMA, other queries of "
-                             "query rows per KV head x D >= 512 run on AMX tiles, AVX512_BF16 scores "
-                             "and float32 FMA P V elsewhere"
+                           ? "decode (D a multiple of 32): one-token queries of <= 16 heads per KV "
+                             "head run both products on AMX tiles with the value rows in place, "
+                             "other queries of query rows per KV head x D >= 512 run on AMX tiles, "
+                             "AVX512_BF16 scores and float32 FMA P V elsewhere"
                            : "decode: AVX512_BF16 scores, float32 FMA P V (no AMX: " + amx_state().why + ")";
 #else
   std::string decode = kNativeBf16Dot ? "decode: AVX512_BF16 scores, float32 FMA P V"
