@@ -80,11 +80,21 @@ struct Scratch {
   int64_t head_size = -1;     // the D the tile buffers are laid out (and zero-padded) for
 };
 
-// The largest of n scores (n a multiple of kLanes).
+// The largest of n scores (n a multiple of kLanes), NaN left out: a NaN score reaches the
+// output through its row's sum (softmax_exp keeps it), so the maximum need not carry it, and
+// the reduction is one VMAXPS per vector (which returns its second operand, the running peak,
+// where the score is NaN) instead of a NaN-propagating maximum's compare, mask and OR.
 inline float tile_max(const float* scores, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 peak = _mm512_set1_ps(kNegInf);
+  for (int64_t j = 0; j < n; j += kLanes) peak = _mm512_max_ps(_mm512_loadu_ps(scores + j), peak);
+  return _mm512_reduce_max_ps(peak);
+#else
+  const auto larger = [](const fVec& peak, const fVec& x) { return fVec::blendv(peak, x, x > peak); };
   fVec peak(kNegInf);
-  for (int64_t j = 0; j < n; j += kLanes) peak = at::vec::maximum(peak, fVec::loadu(scores + j));
-  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, peak);
+  for (int64_t j = 0; j < n; j += kLanes) peak = larger(peak, fVec::loadu(scores + j));
+  return at::vec::vec_reduce_all<float>([&](fVec& a, fVec& b) { return larger(a, b); }, peak);
+#endif
 }
 
 // Whether bfloat16 / float16 GEMMs run natively (AMX tiles, VNNI-packed B) on this CPU.
@@ -219,11 +229,12 @@ struct Prefill {
   }
 
   // Rows [r0, r1) that saw keys whose scores were all -inf (an infinite key or query) get the
-  // sum kOnlyNegInfScores: merge_partials writes NaN for them where no other key range or
+  // sum kOnlyNegInfScores (a row that also saw a NaN score keeps its NaN sum: tile_max leaves
+  // NaN out of m): merge_partials writes NaN for them where no other key range or
   // sink has a finite score, as the reference's softmax (-inf - (-inf)) does.
   void mark_only_neg_inf(Scratch<C>& sc, int64_t r0, int64_t r1) const {
     for (int64_t r = r0; r < r1; ++r)
-      if (sc.saw[r] && sc.m[r] == kNegInf) sc.l[r] = kOnlyNegInfScores;
+      if (sc.saw[r] && sc.m[r] == kNegInf && sc.l[r] == 0.f) sc.l[r] = kOnlyNegInfScores;
   }
 
   // Output rows [r0, r1) of a whole-range item from its running state.
