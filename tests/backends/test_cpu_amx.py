@@ -1,4 +1,4 @@
-"""CPU_ATTN's decode kernel on AMX tiles (the ``amx`` build, bfloat16 caches).
+"""CPU_ATTN's kernels on AMX tiles (the ``amx`` build, bfloat16 caches).
 
 Two paths read the paged cache in place on tiles. ``run_item_amx`` multiplies both products on
 tiles: key rows straight into tiles where 16 of them are one block's consecutive slots,
@@ -14,6 +14,10 @@ blocks and past the item; head sizes of one to eight tiles of 32; every layer op
 cache layout) against the float64 reference on caches whose unused slots hold NaN and Inf,
 and ask the kernel which path ran (``torch.ops.attn_di.decode_items``): equal outputs cannot
 tell one path from another.
+
+The prefill kernel's bfloat16 GEMMs run on tiles too in this build, where D is a multiple of
+32 (``S = Q K^T`` and ``O += P V``, 32 rows x 32 columns a step, B packed into tile order per
+key tile), and on oneDNN's GEMMs elsewhere: ``torch.ops.attn_di.prefill_items`` says which.
 """
 
 from __future__ import annotations
@@ -222,3 +226,69 @@ def test_a_non_finite_value_on_the_tiles_stays_in_its_column(
     assert torch.equal(kernel_out.isnan(), expected.isnan())
     tol = TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(kernel_out.double(), expected, atol=tol, rtol=tol, equal_nan=True)
+
+
+# name: ((options, query_lens, seq_lens, block_size), dtype, the prefill path its items take:
+# 0 AMX tiles, 1 oneDNN's reduced-precision GEMMs, 2 float32 GEMMs; None: 1 or 2, the CPU's).
+PREFILL_CASES = {
+    # every option; a chunked prefill over 700 keys (key ranges merged on two threads) and a
+    # prefill of 40; block 24: key tiles straddle blocks
+    "options": (
+        (
+            Options(
+                8,
+                2,
+                64,
+                sliding_window=100,
+                logits_soft_cap=20.0,
+                alibi_slopes=[2.0 ** -(h + 1) for h in range(8)],
+                sinks=_SINKS[:8],
+            ),
+            [300, 40],
+            [700, 40],
+            24,
+        ),
+        torch.bfloat16,
+        0,
+    ),
+    # SmolLM2's heads: 3 query rows per token, so row blocks end off the 32-row tiles (17 x 3)
+    "rows-off-tiles": ((Options(9, 3, 64), [17, 61], [17, 200], 16), torch.bfloat16, 0),
+    # D = 32 (one chunk), 96 (three), 160 (five) and 256; block size 1: every row gathered
+    "d32": ((Options(4, 4, 32), [100], [129], 1), torch.bfloat16, 0),
+    "d96": ((Options(6, 2, 96), [33, 20], [300, 20], 16), torch.bfloat16, 0),
+    "d160": ((Options(4, 1, 160), [70], [70], 32), torch.bfloat16, 0),
+    "d256": ((Options(2, 1, 256), [257], [600], 128), torch.bfloat16, 0),
+    # D = 80, no multiple of 32: oneDNN's GEMMs
+    "d80": ((Options(4, 2, 80), [50], [90], 16), torch.bfloat16, 1),
+    # float32 never takes the tiles, float16 neither (oneDNN's or float32 GEMMs, by the CPU)
+    "float32": ((Options(8, 2, 64), [40], [100], 16), torch.float32, 2),
+    "float16": ((Options(8, 2, 64), [40], [100], 16), torch.float16, None),
+}
+
+
+@requires_kernel
+@requires_amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+def test_prefill_paths_match_reference(name: str, threads: int, kernel_calls: list[int]) -> None:
+    """Each prefill batch's items take the GEMMs its dtype and head size call for (AMX tiles
+    written here for bfloat16 of D a multiple of 32) and match the float64 reference, on
+    caches whose unused slots hold NaN and Inf."""
+    (opts, query_lens, seq_lens, block_size), dtype, path = PREFILL_CASES[name]
+    batch = make_batch(opts, query_lens, seq_lens, block_size, dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        before = [int(x) for x in torch.ops.attn_di.prefill_items()]
+        kernel_out, torch_out = run_both_paths(opts, batch, kernel_calls, block_size)
+        after = [int(x) for x in torch.ops.attn_di.prefill_items()]
+    finally:
+        torch.set_num_threads(previous)
+    expected = reference_attention(opts, batch)
+    assert_matches(kernel_out, expected, dtype)
+    assert_matches(torch_out, expected, dtype)
+    taken = {p for p in range(3) if after[p] > before[p]}
+    if path is None:
+        assert taken in ({1}, {2}), taken
+    else:
+        assert taken == {path}, taken

@@ -69,7 +69,7 @@ def prefill_cases(draw: st.DrawFn) -> PrefillCase:
     opts = Options(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_size=draw(st.sampled_from([8, 33, 40, 64, 72, 80, 128, 256])),
+        head_size=draw(st.sampled_from([8, 32, 33, 40, 64, 72, 80, 96, 128, 160, 256])),
         sliding_window=draw(st.none() | st.integers(1, 150)),
         logits_soft_cap=draw(st.none() | st.floats(2.0, 30.0)),
         alibi_slopes=draw(st.none() | st.just([2.0 ** -(h + 1) for h in range(num_heads)])),

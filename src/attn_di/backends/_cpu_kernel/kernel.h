@@ -213,4 +213,9 @@ void run_prefill(const at::Tensor& query, const at::Tensor& key_cache,
 // batch-reduce GEMM, VNNI-packed B); prefill.cpp.
 bool native_bf16_gemm();
 
+// The prefill kernel's work items run so far in this process, by the GEMMs they ran: [AMX
+// tiles of the amx build (bfloat16, D a multiple of 32), oneDNN's reduced-precision GEMMs,
+// float32 GEMMs]; prefill.cpp.
+std::vector<int64_t> prefill_items();
+
 }  // namespace attn_di_kernel

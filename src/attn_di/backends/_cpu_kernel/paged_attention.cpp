@@ -1943,8 +1943,14 @@ std::string bf16_paths() {
   std::string decode = kNativeBf16Dot ? "decode: AVX512_BF16 scores, float32 FMA P V"
                                       : "decode: float32 FMA on converted rows";
 #endif
-  std::string prefill = native_bf16_gemm() ? "prefill: AMX tile GEMMs (oneDNN)"
-                                           : "prefill: float32 GEMMs on converted tiles";
+#if defined(ATTN_DI_AMX)
+  const bool own_tiles = amx_state().usable;
+#else
+  const bool own_tiles = false;
+#endif
+  std::string prefill = own_tiles ? "prefill: AMX tile GEMMs (D a multiple of 32, oneDNN's elsewhere)"
+                        : native_bf16_gemm() ? "prefill: AMX tile GEMMs (oneDNN)"
+                                             : "prefill: float32 GEMMs on converted tiles";
   return decode + "; " + prefill;
 }
 
@@ -1961,6 +1967,7 @@ TORCH_LIBRARY(attn_di, m) {
   m.def("isa() -> str", &attn_di_kernel::isa);
   m.def("bf16_paths() -> str", &attn_di_kernel::bf16_paths);
   m.def("decode_items() -> int[]", &attn_di_kernel::decode_items);
+  m.def("prefill_items() -> int[]", &attn_di_kernel::prefill_items);
 }
 
 TORCH_LIBRARY_IMPL(attn_di, CPU, m) {

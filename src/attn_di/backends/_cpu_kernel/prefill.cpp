@@ -15,10 +15,15 @@
 //
 // The GEMMs are ATen's batch-reduce GEMM (at::native::cpublas::brgemm, oneDNN's JIT micro-
 // kernels from torch itself: AVX-512 / AVX2 FMA for float32, AMX tiles for bfloat16 / float16
-// where the CPU has them): on the machines measured they reach the FMA roof at these tile
-// shapes (docs/benchmarks.md), so no hand-written micro-kernel is kept. Without AMX,
-// bfloat16/float16 caches are converted to float32 while being packed and go through the
-// float32 GEMMs; accumulation is float32 everywhere.
+// where the CPU has them): on the machines measured the float32 ones reach the FMA roof at
+// these tile shapes (docs/benchmarks.md). The exception is bfloat16 in the amx build (D a
+// multiple of 32), whose GEMMs run on tiles written here (tile_scores, tile_values: 32 rows x
+// 32 columns a step, B packed straight into tile order by pack_tiles): oneDNN's took ~60% of
+// a bfloat16 prefill there, in 6 calls per row block and key tile of 64 columns each (a
+// lookup per call, O read back through the call), and the diagonal tiles can stop at 32 keys
+// instead of 64 (docs/benchmarks.md). Without AMX, bfloat16/float16 caches are converted to
+// float32 while being packed and go through the float32 GEMMs; accumulation is float32
+// everywhere.
 //
 // Only key slots of positions a query of the item may see are loaded (the visible range of
 // its chunk, inside the sequence), so garbage (NaN/Inf) anywhere else in the cache never
@@ -30,6 +35,7 @@
 // pairs afterwards (log-sum-exp), as the decode kernel merges its partitions.
 
 #include "kernel.h"
+#include "amx.h"
 
 #include <ATen/native/CPUBlas.h>
 
@@ -63,6 +69,9 @@ constexpr int64_t kRowsAhead = 4;
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
+// Items run in this process, by their GEMMs (prefill_items()).
+std::atomic<int64_t> g_prefill_counts[3] = {0, 0, 0};
+
 // A work item: query tokens [i0, i1) of sequence `seq` (an index into the seqs list), KV head
 // g, keys [k_lo, k_hi); part `part` of `parts` key ranges of that (seq, g, i0) group, whose
 // partial state lives at row `partial` of the partial buffers when parts > 1.
@@ -74,6 +83,7 @@ struct Item {
 template <typename C>
 struct Scratch {
   std::vector<C> q, k_rows, k_plain, k_pack, v_plain, v_pack, p;
+  std::vector<uint32_t> k_tiles, v_tiles;  // the tile GEMMs' B operands (Prefill::tiles)
   std::vector<float> o, m, l, s, line, rmax, rescale, shift;
   std::vector<char> started;  // per row block: its O holds a value
   std::vector<char> saw;      // per row: it saw a key of the item (kOnlyNegInfScores)
@@ -138,11 +148,16 @@ struct Prefill {
   float* partial_l;
   int64_t dq;  // the K of S = Q K^T: D (float32) or D rounded up to 16 (packed)
   int64_t dv;  // columns of O: as dq
+  // bfloat16 GEMMs on AMX tiles written here (amx build, D a multiple of 32; pack_tiles,
+  // tile_scores, tile_values) instead of oneDNN's: no per-call lookup, B packed straight into
+  // tile order, O accumulated in place.
+  bool tiles = false;
 
   static constexpr bool kPacked = !std::is_same_v<C, float>;
   static constexpr int64_t kKeyTile = attn_di_kernel::kKeyTile<C>;
   static constexpr int64_t kRowBlock = attn_di_kernel::kRowBlock<C>;
-  // Granularity of the keys multiplied on the diagonal: whole VNNI panels, or 16 keys.
+  // Granularity of the keys multiplied on the diagonal: whole VNNI panels, or 16 keys (32 on
+  // the tile GEMMs, two key groups at a time).
   static constexpr int64_t kWidthStep = kPacked ? kPanel : 16;
 
   // The row of key position `pos` of sequence `seq` in one plane, at KV head g.
@@ -259,8 +274,11 @@ struct Prefill {
   void prepare(Scratch<C>& sc, int64_t rows, int64_t blocks) const {
     const int64_t D = o.head_size;
     sc.line.resize(std::max(D, kKeyTile));
-    sc.q.resize(rows * dq);
-    sc.o.resize(rows * dv);  // each row block's O is written by its first tile (add_C off)
+    // Rows padded to 32 for the tile GEMMs (two row tiles at a time; the padding rows are
+    // multiplied, never read back).
+    const int64_t padded = round_up(rows, 32);
+    sc.q.resize(padded * dq);
+    sc.o.resize(padded * dv);  // each row block's O is written by its first tile (add_C off)
     sc.m.assign(rows, kNegInf);
     sc.l.assign(rows, 0.f);
     sc.started.assign(blocks, 0);
@@ -278,8 +296,13 @@ struct Prefill {
     }
     if constexpr (kPacked) {
       sc.p.resize(kRowBlock * kKeyTile);
-      sc.k_pack.resize(dq * kKeyTile);
-      sc.v_pack.resize(kKeyTile * dv);
+      if (tiles) {
+        sc.k_tiles.resize(kKeyTile * dq / 2);
+        sc.v_tiles.resize(kKeyTile * dv / 2);
+      } else {
+        sc.k_pack.resize(dq * kKeyTile);
+        sc.v_pack.resize(kKeyTile * dv);
+      }
     }
   }
 
@@ -305,6 +328,14 @@ struct Prefill {
         convert_head<T>(v, D, vp + j * dv);
       }
     }
+#if defined(ATTN_DI_AMX)
+    if constexpr (std::is_same_v<C, c10::BFloat16>) {
+      if (tiles) {
+        pack_tiles(sc);
+        return;
+      }
+    }
+#endif
     transpose(kr, kp);
     if constexpr (kPacked) {
       const auto dtype = c10::CppTypeToScalarType<C>::value;
@@ -316,6 +347,117 @@ struct Prefill {
       }
     }
   }
+
+#if defined(ATTN_DI_AMX)
+  // The tile's B operands for tile_scores and tile_values, from its gathered key and value
+  // rows (zeros past its keys; D a multiple of 32):
+  //  - k_tiles[((n * D/32 + kc) * 16 + pr) * 16 + j]: the pair (k[2pr], k[2pr + 1]) of values
+  //    kc * 32 .. of key 16n + j (K^T in VNNI pairs): a 16 x 16 transpose of 32-bit words per
+  //    16 keys and 32 values;
+  //  - v_tiles[((kk * dv/16 + nd) * 16 + i) * 16 + c]: the pair (v_{32kk + 2i}[16nd + c],
+  //    v_{32kk + 2i + 1}[16nd + c]): two value rows interleaved per 32 values (VPUNPCKLWD /
+  //    VPUNPCKHWD, then the lanes put in column order).
+  void pack_tiles(Scratch<C>& sc) const {
+    const int64_t D = o.head_size, chunks = D / 32, groups = dv / 16;
+    const C* kr = sc.k_rows.data();
+    const C* vp = sc.v_plain.data();
+    uint32_t* kt = sc.k_tiles.data();
+    uint32_t* vt = sc.v_tiles.data();
+    for (int64_t n = 0; n < kKeyTile / 16; ++n)
+      for (int64_t kc = 0; kc < chunks; ++kc) {
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(kr + (n * 16 + j) * D + kc * 32);
+        transpose_16x16(r);
+        uint32_t* dst = kt + (n * chunks + kc) * 256;
+        for (int64_t pr = 0; pr < 16; ++pr) _mm512_storeu_si512(dst + pr * 16, r[pr]);
+      }
+    alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+    for (int64_t kk = 0; kk < kKeyTile / 32; ++kk)
+      for (int64_t i = 0; i < 16; ++i) {
+        const C* r0 = vp + (kk * 32 + 2 * i) * dv;
+        const C* r1 = r0 + dv;
+        for (int64_t d = 0; d < dv; d += 32) {
+          const __m512i a = _mm512_loadu_si512(r0 + d), b = _mm512_loadu_si512(r1 + d);
+          const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+          uint32_t* dst = vt + ((kk * groups + d / 16) * 16 + i) * 16;
+          _mm512_storeu_si512(dst, _mm512_permutex2var_epi32(lo, first, hi));
+          _mm512_storeu_si512(dst + 256, _mm512_permutex2var_epi32(lo, second, hi));
+        }
+      }
+  }
+
+  // S[0 .. Mp, 0 .. width) = Q K^T for the padded rows Mp (a multiple of 32) from row r0 and
+  // `width` keys (a multiple of 32): per 32 rows x 32 keys, C tiles 0-3 = A (tiles 4, 5: two
+  // row tiles of Q) x B (tiles 6, 7: two key groups of k_tiles), over D in chunks of 32.
+  void tile_scores(const Scratch<C>& sc, int64_t r0, int64_t Mp, int64_t width, float* S) const {
+    const int64_t chunks = o.head_size / 32;
+    const C* q = sc.q.data() + r0 * dq;
+    const uint32_t* kt = sc.k_tiles.data();
+    const int64_t a_stride = dq * 2, s_stride = kKeyTile * 4;
+    for (int64_t i = 0; i < Mp; i += 32)
+      for (int64_t n = 0; n < width; n += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kc = 0; kc < chunks; ++kc) {
+          _tile_loadd(4, q + i * dq + kc * 32, a_stride);
+          _tile_loadd(5, q + (i + 16) * dq + kc * 32, a_stride);
+          _tile_loadd(6, kt + ((n / 16) * chunks + kc) * 256, 64);
+          _tile_loadd(7, kt + ((n / 16 + 1) * chunks + kc) * 256, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        float* out = S + i * kKeyTile + n;
+        _tile_stored(0, out, s_stride);
+        _tile_stored(1, out + 16, s_stride);
+        _tile_stored(2, out + 16 * kKeyTile, s_stride);
+        _tile_stored(3, out + 16 * kKeyTile + 16, s_stride);
+      }
+  }
+
+  // O[0 .. Mp) (+)= P V over `width` keys (a multiple of 32): per 32 rows x 32 columns of O,
+  // C tiles 0-3 loaded from O (or zeroed), A = P (tiles 4, 5), B = v_tiles (6, 7), stored back.
+  void tile_values(const Scratch<C>& sc, int64_t Mp, int64_t width, bool add, float* O) const {
+    const int64_t groups = dv / 16;
+    const C* p = sc.p.data();
+    const uint32_t* vt = sc.v_tiles.data();
+    const int64_t a_stride = kKeyTile * 2, o_stride = dv * 4;
+    for (int64_t i = 0; i < Mp; i += 32)
+      for (int64_t nd = 0; nd < groups; nd += 2) {
+        float* out = O + i * dv + nd * 16;
+        if (add) {
+          _tile_loadd(0, out, o_stride);
+          _tile_loadd(1, out + 16, o_stride);
+          _tile_loadd(2, out + 16 * dv, o_stride);
+          _tile_loadd(3, out + 16 * dv + 16, o_stride);
+        } else {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int64_t kk = 0; kk < width / 32; ++kk) {
+          _tile_loadd(4, p + i * kKeyTile + kk * 32, a_stride);
+          _tile_loadd(5, p + (i + 16) * kKeyTile + kk * 32, a_stride);
+          _tile_loadd(6, vt + (kk * groups + nd) * 256, 64);
+          _tile_loadd(7, vt + (kk * groups + nd + 1) * 256, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, out, o_stride);
+        _tile_stored(1, out + 16, o_stride);
+        _tile_stored(2, out + 16 * dv, o_stride);
+        _tile_stored(3, out + 16 * dv + 16, o_stride);
+      }
+  }
+#endif
 
   // kp[d, j] = kr[j, d] for the tile's kKeyTile key rows of D values (rows past D stay 0).
   void transpose(const C* kr, C* kp) const {
@@ -351,9 +493,15 @@ struct Prefill {
     // The keys any row of the block may see, in whole panels: past the causal diagonal of the
     // block's last row, the tile is neither multiplied nor weighed.
     int64_t width = std::min(n, causal ? first_pos + it.i0 + (r1 - 1) / G - k0 + 1 : n);
-    width = std::min(kKeyTile, round_up(width, kWidthStep));
+    width = std::min(kKeyTile, round_up(width, tiles ? 32 : kWidthStep));  // tiles: 32 keys a step
     float* S = sc.s.data();
-    if constexpr (kPacked) {
+#if defined(ATTN_DI_AMX)
+    if constexpr (std::is_same_v<C, c10::BFloat16>)
+      if (tiles) tile_scores(sc, r0, round_up(M, 32), width, S);
+#endif
+    if (tiles) {
+      // S on tiles above
+    } else if constexpr (kPacked) {
       for (int64_t c = 0; c < width; c += kPanel)
         blas::brgemm(M, kPanel, dq, dq, kPanel, kKeyTile, false, sc.q.data() + r0 * dq,
                      sc.k_pack.data() + c * dq, S + c, true);
@@ -443,7 +591,13 @@ struct Prefill {
       }
     }
     float* O = sc.o.data() + r0 * dv;
-    if constexpr (kPacked) {
+#if defined(ATTN_DI_AMX)
+    if constexpr (std::is_same_v<C, c10::BFloat16>)
+      if (tiles) tile_values(sc, round_up(M, 32), width, started, O);
+#endif
+    if (tiles) {
+      // O on tiles above
+    } else if constexpr (kPacked) {
       for (int64_t c = 0; c < dv; c += kPanel) {
         const int64_t panel = std::min(kPanel, dv - c);
         blas::brgemm(M, panel, width, kKeyTile, panel, dv, started, sc.p.data(),
@@ -494,6 +648,9 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
                        out.mutable_data_ptr<T>(), out.stride(0), out.stride(1), o, causal, &seqs,
                        nullptr, nullptr, nullptr, packed ? round_up(D, 16) : D,
                        packed ? round_up(D, 16) : D};
+#if defined(ATTN_DI_AMX)
+  if constexpr (std::is_same_v<C, c10::BFloat16>) kernel.tiles = D % 32 == 0 && amx_state().usable;
+#endif
   // Groups: (sequence, KV head, chunk of query tokens), with the keys their queries see. A
   // chunk is as long as the work split allows (each key tile is packed once per group), and
   // short enough that there are several groups per thread where the batch has them.
@@ -557,8 +714,20 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     thread_local Scratch<C> scratch;  // kept by each thread of the pool across calls
-    for (int64_t at = next.fetch_add(1); at < num_items; at = next.fetch_add(1))
+#if defined(ATTN_DI_AMX)
+    if (kernel.tiles) configure_tiles();  // every tile 16 rows of 64 bytes, for this call
+#endif
+    const int path = kernel.tiles ? 0 : packed ? 1 : 2;
+    for (int64_t at = next.fetch_add(1); at < num_items; at = next.fetch_add(1)) {
       kernel.run_item(items[order[at]], scratch);
+      g_prefill_counts[path].fetch_add(1, std::memory_order_relaxed);
+    }
+#if defined(ATTN_DI_AMX)
+    if (kernel.tiles) {
+      _tile_release();
+      return;
+    }
+#endif
     if constexpr (packed) blas::brgemm_release(true);
   });
   std::vector<int64_t> merged;
@@ -607,5 +776,11 @@ void run_prefill(const at::Tensor& query, const at::Tensor& key_cache,
 }
 
 bool native_bf16_gemm() { return native_reduced_gemm<c10::BFloat16>(); }
+
+std::vector<int64_t> prefill_items() {
+  std::vector<int64_t> counts;
+  for (const auto& count : g_prefill_counts) counts.push_back(count.load(std::memory_order_relaxed));
+  return counts;
+}
 
 }  // namespace attn_di_kernel
