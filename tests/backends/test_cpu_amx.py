@@ -64,7 +64,7 @@ CASES = {
     # one-token sequence (4 heads per KV head) on tile_scores
     "gqa4-spec": (
         (Options(8, 2, 128), [4, 1, 16, 2], [300, 97, 1000, 16], 16, "declared"),
-        {"amx", "tiles"},
+        {"amx", "tiles", "vector"},  # the 16-key sequence: too few keys for the tiles
     ),
     # one KV head of 8 query heads (the one-token sequence on tile_scores, C tiles 8 columns
     # wide), windowed, soft cap, ALiBi, sinks; block 24: tiles straddle
@@ -84,12 +84,12 @@ CASES = {
             24,
             "declared",
         ),
-        {"amx", "tiles"},
+        {"amx", "tiles", "vector"},  # the two-key sequence on vector registers
     ),
     # three tiles of 32 (D = 96), block size 1: every key tile gathered
     "d96-block1": (
         (Options(12, 2, 96), [2, 2, 1, 2], [2, 5, 33, 130], 1, "declared"),
-        {"amx", "tiles"},
+        {"amx", "tiles", "vector"},  # 2 and 5 keys: vector registers; 33: the tiles
     ),
     # D = 256 (eight tiles of 32), vLLM's head-major page layout
     "d256-vllm-pages": (
@@ -99,11 +99,11 @@ CASES = {
     # 16 x 16 = 256 query rows of one KV head: 16 column chunks, four C tiles at a time; the
     # one-token sequence of 16 heads per KV head (A tiles of 16 rows) on tile_scores
     "d32-many-chunks": (
-        (Options(16, 1, 32, sinks=_SINKS), [16, 1], [40, 300], 16, "head-major"),
+        (Options(16, 1, 32, sinks=_SINKS), [16, 1], [100, 300], 16, "head-major"),
         {"amx", "tiles"},
     ),
     # SmolLM2's decode (3 query heads per KV head of D = 64)
-    "smollm2-decode": ((Options(9, 3, 64), [1, 1], [560, 31], 32, "declared"), {"tiles"}),
+    "smollm2-decode": ((Options(9, 3, 64), [1, 1], [560, 33], 32, "declared"), {"tiles"}),
     # every layer option on tile_scores; block 24: tiles straddle; the last tile partial
     "tiles-options": (
         (
@@ -121,15 +121,16 @@ CASES = {
             24,
             "declared",
         ),
-        {"tiles"},
+        {"tiles", "vector"},  # the two-key sequence on vector registers
     ),
     # one query head per KV head (C tiles one column wide), five KV heads (a group of four C
     # tiles and one of one), block size 1: every key tile gathered
     "tiles-mha-block1": ((Options(5, 5, 32), [1, 1], [33, 100], 1, "vllm-LBHNC"), {"tiles"}),
-    # 4 query heads of D = 128 per KV head, head-major blocks, a one-key sequence
+    # 4 query heads of D = 128 per KV head, head-major blocks; sequences of 17 keys and one
+    # key (fewer than 33: vector registers)
     "tiles-g4-head-major": (
         (Options(8, 2, 128), [1, 1, 1], [300, 17, 1], 16, "head-major"),
-        {"tiles"},
+        {"tiles", "vector"},
     ),
     # a two-token sequence of few rows beside one-token ones: vector registers for it
     "tiles-mixed": (
@@ -164,10 +165,10 @@ def _run(
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", list(CASES))
 def test_decode_paths_match_reference(name: str, threads: int, kernel_calls: list[int]) -> None:
-    """Each batch's items take the paths its shapes call for (tile_scores and tile_values for
-    one-token items of <= 16 query heads per KV head and D a multiple of 32, else run_item_amx
-    where query rows per KV head x D >= 512, vector registers otherwise), and match the
-    float64 reference."""
+    """Each batch's items take the paths its shapes call for (items of at least 33 keys:
+    tile_scores and tile_values for one-token items of <= 16 query heads per KV head and D a
+    multiple of 32, else run_item_amx where query rows per KV head x D >= 512; vector
+    registers otherwise), and match the float64 reference."""
     case, paths = CASES[name]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -81,6 +81,13 @@ constexpr int64_t kAmxMinRowWork = 512;
 // throughput there (perf), not by the vector work around them.
 constexpr int64_t kTileScoresMaxGroup = 16;
 
+// Fewest keys an item needs for either AMX path: below, the tiles' fixed costs per item (query
+// tiles packed, a tile configuration per pass and the stall of the first product after it)
+// outweigh the products. bench: B8 one-token sequences of SmolLM2's heads, one thread, us,
+// amx build / avx512_bf16 build (vector registers) / vLLM's op: 1 key 17.7 / 8.7 / 9.7, 16
+// keys 18.1 / 13.6 / 9.5, 32 keys 19.4 / 17.7 / 9.4, 64 keys 24.4 / 26.1 / 12.2.
+constexpr int64_t kAmxMinKeys = 33;
+
 // Tokens per tile: rows whose pointers are resolved together and read register-blocked.
 constexpr int64_t kTile = 16;
 // Longest query (tokens per sequence) the decode kernel takes; longer ones, and non-causal
@@ -1084,8 +1091,9 @@ struct Kernel {
     bool tiles = false;  // both passes on AMX tiles (tile_scores, tile_values), the softmax below
 #if defined(ATTN_DI_AMX)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      tiles = amx && s.q_len == 1 && o.group <= kTileScoresMaxGroup;
-      if (amx && !tiles && s.q_len * o.group * o.head_size >= kAmxMinRowWork) {
+      const bool on_tiles = amx && item.stop - item.start >= kAmxMinKeys;
+      tiles = on_tiles && s.q_len == 1 && o.group <= kTileScoresMaxGroup;
+      if (on_tiles && !tiles && s.q_len * o.group * o.head_size >= kAmxMinRowWork) {
         run_item_amx(item, sc);
         g_item_counts[0].fetch_add(1, std::memory_order_relaxed);
         return;
