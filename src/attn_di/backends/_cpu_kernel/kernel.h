@@ -10,6 +10,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -94,6 +95,26 @@ template <bool kWrite = false>
 inline void prefetch_lines(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, kWrite ? 1 : 0, 3);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The 32 16-bit columns of two rows a and b, after lo = VPUNPCKLWD(a, b) and hi =
+// VPUNPCKHWD(a, b), sit per 128-bit lane (32-bit positions: lo 4L + e holds column 8L + e, hi
+// 4L + e column 8L + 4 + e, L, e < 4): VPERMT2D / VPERMT2PS (lo, first, hi) gives columns
+// 0-15 in order and (lo, second, hi) columns 16-31. Also the order of the float32 pairs an
+// unpack against zero widens into (paged_attention.cpp, unpermute_row).
+inline void unpack_order(__m512i& first, __m512i& second) {
+  first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+#endif
+
+// The current values of a set of counters (decode_items(), prefill_items()).
+template <size_t N>
+std::vector<int64_t> load_counts(const std::atomic<int64_t> (&counts)[N]) {
+  std::vector<int64_t> values;
+  for (const auto& count : counts) values.push_back(count.load(std::memory_order_relaxed));
+  return values;
 }
 
 // n values as float32 into `dst`.

@@ -384,9 +384,8 @@ inline void value_tile_bf16_paired(const c10::BFloat16* const* v, int64_t nt, co
 // (per 32 columns, position i holds column 8 (i / 4 % 4) + i % 4, + 4 for i >= 16), into dst
 // in D's order (dst may be src): two permutes per 32 columns.
 inline void unpermute_row(const float* src, float* dst, int64_t size) {
-  alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-  alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+  __m512i first, second;
+  unpack_order(first, second);
   for (int64_t d = 0; d < size; d += 32) {
     const __m512 lo = _mm512_loadu_ps(src + d), hi = _mm512_loadu_ps(src + d + 16);
     _mm512_storeu_ps(dst + d, _mm512_permutex2var_ps(lo, first, hi));
@@ -507,8 +506,8 @@ inline void for_head_groups(int64_t G, F&& f) {
 }
 
 
-// A tile operand read from the cache: 16 key rows of KV head 0 at `base`, `head` elements to
-// the next KV head's, `stride` bytes between keys (Kernel::tile_values).
+// A tile operand read from the cache: 16 key or value rows of KV head 0 at `base`, `head`
+// elements to the next KV head's, `stride` bytes between keys (Kernel::row_tile).
 struct TileOperand {
   const c10::BFloat16* base;
   int64_t head, stride;
@@ -691,11 +690,13 @@ struct Kernel {
     return nt == 16 && pos / o.block_size == (pos + 15) / o.block_size;
   }
 
-  // The rows of positions [pos, pos + 16) of one cache plane, every KV head, gathered into
-  // `gather` ([KV, 16, D]; zeros past the item's `nt` positions).
-  void gather_tile(const CacheView<T>& view, const Sequence& s, const Item& item, int64_t pos, int64_t nt,
-                   c10::BFloat16* gather) const {
+  // The rows of positions [pos, pos + 16) of the item in one cache plane (all KV heads) as a
+  // tile operand: in place where they are one block's consecutive slots (tile_in_place), else
+  // gathered into `gather` ([KV, 16, D]; zeros past the item's `nt` positions).
+  TileOperand row_tile(const CacheView<T>& view, const Sequence& s, const Item& item, int64_t pos,
+                       int64_t nt, c10::BFloat16* gather) const {
     const int64_t D = o.head_size, KV = o.kv_heads;
+    if (tile_in_place(pos, nt)) return {key_row(view, s, item.seq, pos), view.head_stride, view.token_stride * 2};
     for (int64_t t = 0; t < 16; ++t) {
       const T* row = t < nt ? key_row(view, s, item.seq, pos + t) : nullptr;
       for (int64_t g = 0; g < KV; ++g) {
@@ -704,25 +705,13 @@ struct Kernel {
         else std::memset(dst, 0, D * 2);
       }
     }
+    return {gather, 16 * D, D * 2};
   }
 
-  // The A operand of keys [pos, pos + 16) of the item (all KV heads): their rows in place
-  // where they are one block's consecutive slots, else gathered into sc.key_gather (zeros
-  // past the item's `nt` keys). Returns head 0's first row; `head` (elements) and `stride`
-  // (bytes) step to another head and key.
-  const T* key_tile(const Sequence& s, const Item& item, int64_t pos, int64_t nt, Scratch& sc,
-                    int64_t& head, int64_t& stride) const {
-    const int64_t D = o.head_size;
-    if (tile_in_place(pos, nt)) {
-      head = keys.head_stride;
-      stride = keys.token_stride * 2;
-      return key_row(keys, s, item.seq, pos);
-    }
-    sc.key_gather.resize(o.kv_heads * 16 * D);
-    gather_tile(keys, s, item, pos, nt, sc.key_gather.data());
-    head = 16 * D;
-    stride = D * 2;
-    return sc.key_gather.data();
+  // The A operand of keys [pos, pos + 16) of the item (row_tile, gathered into sc.key_gather).
+  TileOperand key_tile(const Sequence& s, const Item& item, int64_t pos, int64_t nt, Scratch& sc) const {
+    sc.key_gather.resize(o.kv_heads * 16 * o.head_size);
+    return row_tile(keys, s, item, pos, nt, sc.key_gather.data());
   }
 
   // The item's queries as B tiles: query_tiles[((g * chunks + c) * D/2 + p) * 16 + col] is
@@ -772,15 +761,14 @@ struct Kernel {
       const int64_t nt = std::min<int64_t>(16, n - j0);
       for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
         prefetch_row(key_row(keys, s, item.seq, item.start + t), KV, D, keys.head_stride);
-      int64_t a_head = 0, a_stride = 0;
-      const T* a_base = key_tile(s, item, item.start + j0, nt, sc, a_head, a_stride);
+      const TileOperand a = key_tile(s, item, item.start + j0, nt, sc);
       float* out_tile = scores + j0 * H;
       // KV heads four at a time (C tiles 0-3, multiply_c_tiles).
       for (int64_t g = 0; g < KV; g += 4) {
         const int64_t count = std::min<int64_t>(4, KV - g);
         multiply_c_tiles(
-            count, D / 32, [&](int64_t h, int64_t kc) { return a_base + (g + h) * a_head + kc * 32; },
-            a_stride, [&](int64_t h, int64_t kc) { return sc.query_tiles.data() + (g + h) * words + kc * 256; });
+            count, D / 32, [&](int64_t h, int64_t kc) { return a.base + (g + h) * a.head + kc * 32; },
+            a.stride, [&](int64_t h, int64_t kc) { return sc.query_tiles.data() + (g + h) * words + kc * 256; });
         _tile_stored(0, out_tile + g * G, out_stride);
         if (count > 1) _tile_stored(1, out_tile + (g + 1) * G, out_stride);
         if (count > 2) _tile_stored(2, out_tile + (g + 2) * G, out_stride);
@@ -821,13 +809,9 @@ struct Kernel {
     TileOperand* bases = sc.value_operands.data();
     for (int64_t q = 0, slot = 0; q < groups; ++q) {
       const int64_t pos = item.start + q * 16, nt = std::min<int64_t>(16, n - q * 16);
-      if (tile_in_place(pos, nt)) {
-        bases[q] = {key_row(values, s, item.seq, pos), values.head_stride, values.token_stride * 2};
-      } else {
-        c10::BFloat16* gather = sc.value_gather.data() + slot++ * KV * 16 * D;
-        gather_tile(values, s, item, pos, nt, gather);
-        bases[q] = {gather, 16 * D, D * 2};
-      }
+      c10::BFloat16* gather = sc.value_gather.data() + slot * KV * 16 * D;
+      bases[q] = row_tile(values, s, item, pos, nt, gather);
+      if (bases[q].base == gather) ++slot;
     }
     // A operands: per KV head g and group q, G rows of (p, 0) words (query head g * G + m,
     // 16 keys), then G rows of (0, p); from the token-major block by 16 x 16 transposes of
@@ -959,15 +943,14 @@ struct Kernel {
       for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
         prefetch_row(key_row(keys, s, item.seq, item.start + t), KV, D, keys.head_stride);
       // The A operand of head g: its 16 key rows (key_tile).
-      int64_t a_head = 0, a_stride = 0;  // elements, bytes
-      const T* a_base = key_tile(s, item, item.start + j0, nt, sc, a_head, a_stride);
+      const TileOperand a = key_tile(s, item, item.start + j0, nt, sc);
       // Job J = g * chunks + c: C tile J % 4 (multiply_c_tiles).
       for (int64_t j = 0; j < jobs; j += 4) {
         const int64_t count = std::min<int64_t>(4, jobs - j);
         multiply_c_tiles(
             count, D / 32,
-            [&](int64_t h, int64_t kc) { return a_base + ((j + h) / chunks) * a_head + kc * 32; },
-            a_stride,
+            [&](int64_t h, int64_t kc) { return a.base + ((j + h) / chunks) * a.head + kc * 32; },
+            a.stride,
             [&](int64_t h, int64_t kc) { return sc.query_tiles.data() + (j + h) * words_per_chunk + kc * 256; });
         // tile_out[(g * 16 + t) * width + m]: head g's scores of key t, its M columns adjacent.
         auto out = [&](int64_t job) { return tile_out + (job / chunks) * 16 * width + (job % chunks) * 16; };
@@ -1932,11 +1915,7 @@ std::string isa() { return ATTN_DI_STRINGIFY(ATTN_DI_KERNEL_ISA); }
 
 // The decode kernel's items run so far in this process: [on AMX tiles, scores and P V on AMX
 // tiles, on vector registers, P V of the second kind redone on vector registers].
-std::vector<int64_t> decode_items() {
-  std::vector<int64_t> counts;
-  for (const auto& count : g_item_counts) counts.push_back(count.load(std::memory_order_relaxed));
-  return counts;
-}
+std::vector<int64_t> decode_items() { return load_counts(g_item_counts); }
 
 // How this build computes bfloat16 attention on this CPU, for kernel_status().
 std::string bf16_paths() {

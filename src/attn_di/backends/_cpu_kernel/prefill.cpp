@@ -371,9 +371,8 @@ struct Prefill {
         uint32_t* dst = kt + (n * chunks + kc) * 256;
         for (int64_t pr = 0; pr < 16; ++pr) _mm512_storeu_si512(dst + pr * 16, r[pr]);
       }
-    alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-    alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-    const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+    __m512i first, second;
+    unpack_order(first, second);
     for (int64_t kk = 0; kk < kKeyTile / 32; ++kk)
       for (int64_t i = 0; i < 16; ++i) {
         const C* r0 = vp + (kk * 32 + 2 * i) * dv;
@@ -495,12 +494,10 @@ struct Prefill {
     int64_t width = std::min(n, causal ? first_pos + it.i0 + (r1 - 1) / G - k0 + 1 : n);
     width = std::min(kKeyTile, round_up(width, tiles ? 32 : kWidthStep));  // tiles: 32 keys a step
     float* S = sc.s.data();
-#if defined(ATTN_DI_AMX)
-    if constexpr (std::is_same_v<C, c10::BFloat16>)
-      if (tiles) tile_scores(sc, r0, round_up(M, 32), width, S);
-#endif
     if (tiles) {
-      // S on tiles above
+#if defined(ATTN_DI_AMX)
+      if constexpr (std::is_same_v<C, c10::BFloat16>) tile_scores(sc, r0, round_up(M, 32), width, S);
+#endif
     } else if constexpr (kPacked) {
       for (int64_t c = 0; c < width; c += kPanel)
         blas::brgemm(M, kPanel, dq, dq, kPanel, kKeyTile, false, sc.q.data() + r0 * dq,
@@ -591,12 +588,10 @@ struct Prefill {
       }
     }
     float* O = sc.o.data() + r0 * dv;
-#if defined(ATTN_DI_AMX)
-    if constexpr (std::is_same_v<C, c10::BFloat16>)
-      if (tiles) tile_values(sc, round_up(M, 32), width, started, O);
-#endif
     if (tiles) {
-      // O on tiles above
+#if defined(ATTN_DI_AMX)
+      if constexpr (std::is_same_v<C, c10::BFloat16>) tile_values(sc, round_up(M, 32), width, started, O);
+#endif
     } else if constexpr (kPacked) {
       for (int64_t c = 0; c < dv; c += kPanel) {
         const int64_t panel = std::min(kPanel, dv - c);
@@ -777,10 +772,6 @@ void run_prefill(const at::Tensor& query, const at::Tensor& key_cache,
 
 bool native_bf16_gemm() { return native_reduced_gemm<c10::BFloat16>(); }
 
-std::vector<int64_t> prefill_items() {
-  std::vector<int64_t> counts;
-  for (const auto& count : g_prefill_counts) counts.push_back(count.load(std::memory_order_relaxed));
-  return counts;
-}
+std::vector<int64_t> prefill_items() { return load_counts(g_prefill_counts); }
 
 }  // namespace attn_di_kernel
