@@ -17,7 +17,13 @@ same batch in the same run. For scale the run also measures the machine's roofs 
 same threads: the GEMM throughput of ``torch.mm`` (float32 and bfloat16; a prefill's
 attention is GEMM-bound) and, for decode shapes, one pass reading the K/V a decode reads
 (a sum over attn_di's cache, timed in the same alternation, so it finds the caches in the
-state the contenders do: each evicts the other's K/V).
+state the contenders do).
+
+A decode row rereads one cache, which a large L3 (300 MB on the Xeon of docs/benchmarks.md)
+keeps whole between calls. The ``-cold`` rows give each contender one cache per layer
+(``Shape.layers``: 8 for the 67 MB of B8 x 2048 in bfloat16, SmolLM2's 30) and take them in
+turn, as a model's decode step does, so that each call finds its K/V evicted by the calls
+before it: the case of a served model, whose layers' K/V and weights far exceed the L3.
 
 Run inside the vLLM venv (``bash scripts/setup-vllm.sh`` makes ``.venv-vllm``)::
 
@@ -28,6 +34,7 @@ Run inside the vLLM venv (``bash scripts/setup-vllm.sh`` makes ``.venv-vllm``)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -51,6 +58,7 @@ class Shape(NamedTuple):
     kv_heads: int = 8
     head_size: int = 128
     block_size: int = 32
+    layers: int = 1  # caches the calls rotate through (a model's layers: each call's is cold)
 
 
 SHAPES: dict[str, Shape] = {
@@ -60,6 +68,11 @@ SHAPES: dict[str, Shape] = {
     "spec": Shape(8, 4, 2048),
     "smollm2-prefill": Shape(4, 544, 544, 9, 3, 64),
     "smollm2-decode": Shape(8, 1, 560, 9, 3, 64),
+    # The decodes again as a model's step makes them: one call per layer, each on its own
+    # cache, so each call finds its K/V evicted by the layers before it (8 x 67 MB in
+    # bfloat16, past a 300 MB L3; SmolLM2's 30 layers). The rows above reread one cache.
+    "decode-cold": Shape(8, 1, 2048, layers=8),
+    "smollm2-decode-cold": Shape(8, 1, 560, 9, 3, 64, layers=30),
 }
 
 
@@ -107,7 +120,7 @@ class Batch(NamedTuple):
 def random_batch(shape: Shape, dtype: torch.dtype, seed: int = 0) -> Batch:
     """The batch of ``shape`` in ``dtype`` drawn from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
-    b, q, ctx, heads, kv_heads, size, bs = shape
+    b, q, ctx, heads, kv_heads, size, bs, _ = shape
     per_seq = -(-ctx // bs)
     num_blocks = b * per_seq + 1  # block 0 stays unused
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: b * per_seq].view(b, per_seq)
@@ -123,13 +136,14 @@ def random_batch(shape: Shape, dtype: torch.dtype, seed: int = 0) -> Batch:
 
 
 def vllm_peer(
-    batch: Batch, shape: Shape, dtype: torch.dtype, isa: str
+    batch: Batch, shape: Shape, dtype: torch.dtype, isa: str, out: torch.Tensor | None = None
 ) -> tuple[Callable[[], None], torch.Tensor]:
     """vLLM's op over its own cache of ``batch`` (written by ``cpu_attn_reshape_and_cache``
-    for ``isa``, scheduler metadata built once): the call and the output it writes."""
+    for ``isa``, scheduler metadata built once): the call and the output it writes (``out``,
+    or a new tensor)."""
     import vllm._custom_ops as vllm_ops
 
-    b, _, _, heads, kv_heads, size, bs = shape
+    b, _, _, heads, kv_heads, size, bs, _ = shape
     packed = torch.zeros(batch.num_blocks, kv_heads, 2 * bs, size, dtype=dtype)
     key_cache, value_cache = packed.chunk(2, dim=2)
     vllm_ops.cpu_attn_reshape_and_cache(
@@ -139,7 +153,7 @@ def vllm_peer(
     metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
         b, heads, kv_heads, size, seq_lens, dtype, starts, True, -1, isa, True
     )
-    out = torch.empty_like(batch.query)
+    out = torch.empty_like(batch.query) if out is None else out
 
     def run() -> None:
         vllm_ops.cpu_attention_with_kv_cache(
@@ -151,39 +165,59 @@ def vllm_peer(
 
 
 def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0, isa: str | None = None) -> Case:
-    """Same keys, values and queries in attn_di's cache and in vLLM's."""
+    """Same keys, values and queries in attn_di's cache and in vLLM's (``shape.layers`` copies
+    of each, the calls taking them in turn)."""
     batch = random_batch(shape, dtype, seed)
-    b, q, ctx, _, kv_heads, size, bs = shape
+    b, q, ctx, _, kv_heads, size, bs, layers = shape
     table, seq_lens, query_start_loc, query = (
         batch.table, batch.seq_lens, batch.query_start_loc, batch.query,
     )  # fmt: skip
     scale = size**-0.5
-    kv_cache = torch.full((2, batch.num_blocks, bs, kv_heads, size), float("nan"), dtype=dtype)
-    torch.ops.attn_di.write_kv_cache(
-        batch.keys, batch.values, kv_cache[0], kv_cache[1], batch.slots
-    )
+    caches = []
+    for _ in range(layers):
+        kv_cache = torch.full((2, batch.num_blocks, bs, kv_heads, size), float("nan"), dtype=dtype)
+        torch.ops.attn_di.write_kv_cache(
+            batch.keys, batch.values, kv_cache[0], kv_cache[1], batch.slots
+        )
+        caches.append(kv_cache)
     ours_out = torch.empty_like(query)
 
-    def run_ours() -> None:
+    def run_one(kv_cache: torch.Tensor) -> None:
         torch.ops.attn_di.paged_attention(
             query, kv_cache[0], kv_cache[1], table, seq_lens, query_start_loc, ours_out,
             scale, 0, 0.0,
         )  # fmt: skip
 
     isa = vllm_isa(dtype, shape, isa)
-    run_vllm, vllm_out = vllm_peer(batch, shape, dtype, isa)
+    vllm_out = torch.empty_like(query)  # every layer's call writes it, as ours_out for ours
+    peers = [vllm_peer(batch, shape, dtype, isa, vllm_out)[0] for _ in range(layers)]
     reference = reference_attention(query, batch.keys, batch.values, shape)
     flops = 4.0 * b * shape.heads * size * sum(ctx - q + i + 1 for i in range(q))
     kv_bytes = 2.0 * b * ctx * kv_heads * size * batch.keys.element_size()
-    words = kv_cache.view(torch.float32) if dtype != torch.float32 else kv_cache
-    return Case(run_ours, run_vllm, words.sum, ours_out, vllm_out, reference, flops, kv_bytes, isa)
+    words = [c.view(torch.float32) if dtype != torch.float32 else c for c in caches]
+    return Case(
+        rotating([lambda c=c: run_one(c) for c in caches]),
+        rotating(peers),
+        rotating([w.sum for w in words]),
+        ours_out, vllm_out, reference, flops, kv_bytes, isa,
+    )  # fmt: skip
+
+
+def rotating(calls: list[Callable[[], object]]) -> Callable[[], None]:
+    """One call that runs the next of ``calls`` each time (the first, then the second, ...)."""
+    turn = itertools.cycle(calls)
+
+    def run() -> None:
+        next(turn)()
+
+    return run
 
 
 def reference_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shape: Shape
 ) -> torch.Tensor:
     """float64 causal softmax(q k^T * scale) v of each sequence, GQA by repeating K/V heads."""
-    b, q, ctx, heads, kv_heads, size, _ = shape
+    b, q, ctx, heads, kv_heads, size, _, _ = shape
     group = heads // kv_heads
     out = []
     for i in range(b):
@@ -239,7 +273,7 @@ def main() -> None:
     print("GEMM roof (torch.mm 1024^3): " + ", ".join(
         f"{str(d).removeprefix('torch.')} {g:.0f} GFLOP/s" for d, g in roofs.items()))  # fmt: skip
     print()
-    print(f"{'shape':<16} {'dtype':<9} {'vLLM isa':<8} {'vLLM ms':>9} {'attn_di ms':>10} "
+    print(f"{'shape':<19} {'dtype':<9} {'vLLM isa':<8} {'vLLM ms':>9} {'attn_di ms':>10} "
           f"{'ratio':>6} {'attn_di GFLOP/s':>15} {'roof':>8} "
           f"{'max err (ours/vLLM)':>20}")  # fmt: skip
     for name in options.only.split(","):
@@ -267,7 +301,7 @@ def main() -> None:
                 roof = f"{statistics.median(floor) * 1e3:.2f}ms"
             else:
                 roof = f"{roofs[dtype]:.0f}"
-            print(f"{name:<16} {str(dtype).removeprefix('torch.'):<9} {case.isa:<8} "
+            print(f"{name:<19} {str(dtype).removeprefix('torch.'):<9} {case.isa:<8} "
                   f"{t_peer * 1e3:>9.2f} {t_ours * 1e3:>10.2f} {t_ours / t_peer:>6.2f} "
                   f"{case.flops / t_ours / 1e9:>15.0f} {roof:>8} "
                   f"{errors[0]:>9.1e}/{errors[1]:.1e}")  # fmt: skip

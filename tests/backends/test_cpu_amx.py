@@ -132,6 +132,12 @@ CASES = {
         (Options(8, 2, 128), [1, 1, 1], [300, 17, 1], 16, "head-major"),
         {"tiles", "vector"},
     ),
+    # 8 query heads per KV head: both parities of P in one A tile of 16 rows; D = 160 takes a
+    # pass of 128 values of D and one of 32
+    "tiles-g8-d160": ((Options(8, 1, 160), [1, 1], [100, 47], 16, "declared"), {"tiles"}),
+    # 9 query heads per KV head: the parities in two A tiles; D = 96 takes a pass of 64 values
+    # and one of 32
+    "tiles-g9-d96": ((Options(18, 2, 96), [1, 1], [90, 40], 16, "head-major"), {"tiles"}),
     # a two-token sequence of few rows beside one-token ones: vector registers for it
     "tiles-mixed": (
         (Options(9, 3, 64), [1, 2, 1], [300, 50, 17], 32, "declared"),
@@ -199,22 +205,24 @@ def test_float32_and_float16_never_take_the_tiles(kernel_calls: list[int]) -> No
 @requires_kernel
 @requires_amx
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("group", [4, 12], ids=["one-a-tile", "two-a-tiles"])
 def test_a_non_finite_value_on_the_tiles_stays_in_its_column(
-    bad: float, kernel_calls: list[int]
+    bad: float, group: int, kernel_calls: list[int]
 ) -> None:
     """A non-finite element in column 5 of one value row (KV head 0) of a one-token item: the
     float64 reference makes column 5 of that KV head's rows non-finite and leaves column 4
     finite. tile_values would spread it into column 4 (the zero beside each probability in an
     A tile times Inf or NaN is NaN), so it hands the item back and the vector registers redo
-    P V: the output matches the reference value for value, and the kernel says it redid it."""
-    opts = Options(8, 2, 64)
+    P V: the output matches the reference value for value, and the kernel says it redid it.
+    With 4 query heads per KV head both parities of P share one A tile, with 12 they take two."""
+    opts = Options(2 * group, 2, 64)
     batch = make_batch(opts, [1, 1], [40, 70], 16, torch.bfloat16)
     batch.value[0, 0, 5] = bad  # sequence 0's new token (position 39), KV head 0
     batch.full_values[0][39, 0, 5] = bad
     expected = reference_attention(opts, batch)
-    heads = expected[0].view(8, 64)  # sequence 0's token: its 8 heads' output rows
-    assert not bool(torch.isfinite(heads[:4, 5]).any())
-    assert bool(torch.isfinite(heads[:4, 4]).all())
+    heads = expected[0].view(2 * group, 64)  # sequence 0's token: its heads' output rows
+    assert not bool(torch.isfinite(heads[:group, 5]).any())
+    assert bool(torch.isfinite(heads[:group, 4]).all())
 
     before = _decode_items()
     kernel_out, _ = run_both_paths(opts, batch, kernel_calls, 16)

@@ -12,7 +12,7 @@
 // rows as columns) with the queries packed once per item, and O = P V with the
 // probabilities transposed into A and two value rows at a time interleaved into B
 // (paged_attention.cpp, Kernel::run_item_amx), or, for one-token items, with 16 value rows in
-// place as B and the probabilities beside zeros in two A tiles (Kernel::tile_values).
+// place as B and the probabilities beside zeros in A tiles (Kernel::tile_values).
 #pragma once
 
 #if defined(ATTN_DI_AMX)
@@ -79,8 +79,8 @@ inline void configure_tiles(int narrow_bytes = 64) {
 }
 
 // Loads the configuration of Kernel::tile_values (paged_attention.cpp): C tiles 0-3 and A
-// tiles 4, 5 of `rows` rows (the query heads of one KV head), B tiles 6, 7 of 16 rows (value
-// rows in place), all 64 bytes wide.
+// tiles 4, 5 of `rows` rows (the G query heads of one KV head, or 2G where one A tile holds
+// both parities), B tiles 6, 7 of 16 rows (value rows in place), all 64 bytes wide.
 inline void configure_value_tiles(int rows) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
