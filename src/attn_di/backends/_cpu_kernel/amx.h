@@ -78,14 +78,17 @@ inline void configure_tiles(int narrow_bytes = 64) {
   _tile_loadconfig(&config);
 }
 
-// Loads the configuration of Kernel::tile_values (paged_attention.cpp): C tiles 0-3 and A
-// tiles 4, 5 of `rows` rows (the G query heads of one KV head, or 2G where one A tile holds
-// both parities), B tiles 6, 7 of 16 rows (value rows in place), all 64 bytes wide.
-inline void configure_value_tiles(int rows) {
+// Loads a configuration of Kernel::tile_values (paged_attention.cpp), all tiles 64 bytes
+// wide: A tiles 4, 5 of `rows` rows (the G query heads of one KV head, or 2G where one A tile
+// holds both parities) and B tiles 6, 7 of 16 rows (value rows in place); tiles 0-3 C tiles of
+// `rows` rows, or with `b_pairs` C tiles 0, 1 and B tiles 2, 3 of 16 rows (a second set of
+// operands, A 5 and B 2, 3, loading while the first set's products run).
+inline void configure_value_tiles(int rows, bool b_pairs) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.colsb[t] = 64;
-    config.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16);
+    const bool b_tile = t >= 6 || (b_pairs && (t == 2 || t == 3));
+    config.rows[t] = static_cast<uint8_t>(b_tile ? 16 : rows);
   }
   _tile_loadconfig(&config);
 }
