@@ -40,6 +40,7 @@ __all__ = [
     "cache_rows",
     "check_inputs",
     "may_share_memory",
+    "metadata_checked",
     "new_output",
     "non_overlapping",
     "uses_cache",
@@ -293,6 +294,21 @@ def _metadata_stamp(
         kv_cache.stride(),
         device,
     )
+
+
+def metadata_checked(
+    impl: AttentionImpl, kv_cache: torch.Tensor, metadata: AttentionMetadata, query: torch.Tensor
+) -> bool:
+    """Whether :func:`check_inputs`' full checks passed ``metadata`` (unchanged since: its
+    tensors the same objects at the same versions, its fields the same) for a call of
+    ``impl`` with this cache's shape and strides and ``query``'s token count and device: a
+    model step's later layers, whose metadata the first layer's call checked. False where
+    that cannot be known (see :func:`_metadata_stamp`)."""
+    try:
+        stamp = _metadata_stamp(impl, kv_cache, metadata, int(query.shape[0]), query.device)
+    except (AttributeError, IndexError):  # not AttentionMetadata-shaped, or a 0-d query
+        return False
+    return stamp is not None and _same_stamp(_remembered(metadata), stamp)
 
 
 def _remembered(metadata: object) -> _Stamp | None:

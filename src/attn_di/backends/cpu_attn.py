@@ -35,6 +35,7 @@ from attn_di.backends import _cpu_kernel
 from attn_di.backends._common import (
     SeqGroup,
     alibi_bias,
+    metadata_checked,
     uses_cache,
 )
 from attn_di.backends._grouped import GroupedAttentionImpl, TorchCPUBackend
@@ -102,6 +103,60 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         if workspace is None:
             workspace = self._workspaces.buffers = _Workspace()
         return workspace
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See :meth:`GroupedAttentionImpl.forward`; same checks, same errors, same result.
+
+        A model step's layers after the first (a decoder call whose metadata the full checks
+        of an earlier call passed, unchanged since: :func:`metadata_checked`) write the cache
+        and attend in one compiled call (:meth:`_one_call`), whose own checks of every input
+        come before anything is written: the Python checks of each call cost more than a
+        short decode's attention. Any input it refuses takes the checked path, which raises
+        the error that names it.
+        """
+        if self._one_call(query, key, value, kv_cache, attn_metadata, output):
+            assert output is not None
+            return output
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+
+    def _one_call(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        output: torch.Tensor | None,
+    ) -> bool:
+        """The decoder step as one ``write_and_attend`` call where it applies (compiled
+        kernels loaded, an ``output`` buffer, plain CPU tensors of a supported dtype, no
+        gradient wanted, the metadata checked already); True if it ran."""
+        fused = _cpu_kernel.write_and_attend_op()
+        if fused is None or output is None or not uses_cache(self):
+            return False
+        tensors = (query, key, value, kv_cache, output)
+        if any(type(t) is not torch.Tensor for t in tensors) or query.dim() != 3:
+            return False
+        if query.dtype not in self.backend.supported_dtypes or _wants_grad(*tensors[:4]):
+            return False
+        if not metadata_checked(self, kv_cache, metadata, query) or not metadata.num_seqs:
+            return False
+        try:
+            self._run_kernel(
+                fused, query, kv_cache[0], kv_cache[1], metadata, output, write=(key, value)
+            )
+        except RuntimeError:
+            return False  # refused before any write: the checked path says why
+        return True
 
     def _write_kv_cache(
         self,
@@ -186,6 +241,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         rows: torch.Tensor,
+        write: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Attention of every query straight from the paged cache into ``rows``, compiled.
 
@@ -195,6 +251,11 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         ``rows``. The fixed layer options are converted once per impl; the sinks are passed
         as they are on every call (the kernel reads them as float32), so in-place updates
         (``load_state_dict``, ``sinks.fill_``) reach it.
+
+        With ``write`` (``(key, value)``, ``[N, H_kv, D]``), ``kernel`` is
+        ``torch.ops.attn_di.write_and_attend`` and ``rows`` the ``[N, H * D]`` output: the
+        first ``metadata.num_actual_tokens`` keys and values go to their slots first
+        (:meth:`_one_call`).
         """
         if self._kernel_options is None:
             alibi = self.alibi_slopes
@@ -204,6 +265,27 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 self.logits_soft_cap or 0.0,
                 None if alibi is None else torch.tensor(alibi, dtype=torch.float32),
             )
+        sinks = None if self.sinks is None else self.sinks.detach()
+        if write is not None:
+            kernel(
+                query,
+                *write,
+                key_cache,
+                value_cache,
+                metadata.slot_mapping,
+                metadata.num_actual_tokens,
+                metadata.block_table,
+                metadata.seq_lens,
+                metadata.query_start_loc,
+                rows,
+                *self._kernel_options,
+                sinks,
+                bool(metadata.causal),
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_size,
+            )
+            return
         # The kernel writes rows whose last dimension is contiguous; any other ``output=``
         # gets a contiguous copy (padding rows kept as they were), copied back after.
         target = rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -216,7 +298,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             metadata.query_start_loc,
             target,
             *self._kernel_options,
-            None if self.sinks is None else self.sinks.detach(),
+            sinks,
             bool(metadata.causal),
         )
         if target is not rows:

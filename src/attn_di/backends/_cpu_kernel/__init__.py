@@ -72,6 +72,7 @@ __all__ = [
     "kernel_status",
     "paged_attention_op",
     "pure_torch",
+    "write_and_attend_op",
     "write_kv_cache_op",
 ]
 
@@ -147,6 +148,7 @@ _LOCK = threading.Lock()
 _STATUS: KernelStatus | None = None
 _OP: Any = None
 _WRITE_OP: Any = None
+_WRITE_AND_ATTEND_OP: Any = None
 _PURE_TORCH = 0  # > 0 inside pure_torch() blocks
 
 
@@ -160,7 +162,7 @@ def kernel_status() -> KernelStatus:
         EnvSwitchError: ``ATTN_DI_CPU_KERNEL`` holds something other than on/off (an
             ``InvalidInputError``).
     """
-    global _STATUS, _OP, _WRITE_OP
+    global _STATUS, _OP, _WRITE_OP, _WRITE_AND_ATTEND_OP
     if _STATUS is not None:
         return _STATUS
     with _LOCK:
@@ -178,6 +180,7 @@ def kernel_status() -> KernelStatus:
 
             _OP = torch.ops.attn_di.paged_attention
             _WRITE_OP = torch.ops.attn_di.write_kv_cache
+            _WRITE_AND_ATTEND_OP = torch.ops.attn_di.write_and_attend
             where = (
                 f"loaded from {library}"
                 if library is not None
@@ -229,6 +232,25 @@ def write_kv_cache_op() -> Any:
     if _PURE_TORCH:
         return None
     return _WRITE_OP if kernel_status().active else None
+
+
+def write_and_attend_op() -> Any:
+    """``torch.ops.attn_di.write_and_attend``, or None when CPU_ATTN uses pure torch.
+
+    ``op(query, key, value, key_cache, value_cache, slot_mapping, written, block_table,
+    seq_lens, query_start_loc, output, scale, sliding_window, soft_cap, alibi_slopes, sinks,
+    causal, heads, kv_heads, head_size)``: a decoder layer's step in one call, the
+    :func:`write_kv_cache_op` of the first ``written`` rows of ``key`` and ``value``
+    (``[N, kv_heads, head_size]``) and then the :func:`paged_attention_op` of ``query``
+    (``[N, heads, head_size]``) into ``output`` (``[N, heads * head_size]``, last axis
+    contiguous). Every check of both ops, and that the caches share no memory with what the
+    attention reads nor ``output`` with what the write reads, comes before the first write:
+    a malformed argument raises ``RuntimeError`` naming it, and nothing is written. It records
+    no autograd history.
+    """
+    if _PURE_TORCH:
+        return None
+    return _WRITE_AND_ATTEND_OP if kernel_status().active else None
 
 
 @contextmanager

@@ -1712,12 +1712,20 @@ int64_t plan_partition(const std::vector<Sequence>& seqs, int64_t heads, int64_t
   return best;
 }
 
-void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_table_in,
-                     const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
-                     at::Tensor& out, double scale, int64_t sliding_window, double soft_cap,
-                     const std::optional<at::Tensor>& alibi_slopes_in,
-                     const std::optional<at::Tensor>& sinks_in, bool causal) {
+// The dtypes the kernels run.
+void check_kernel_dtype(at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "attn_di paged_attention: unsupported dtype ", dtype,
+              " (float32, bfloat16 and float16 are)");
+}
+
+// paged_attention (below); with `execute` false only its checks, every one of them, and
+// nothing written.
+void attend(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const at::Tensor& block_table_in, const at::Tensor& seq_lens_in,
+            const at::Tensor& query_start_loc_in, at::Tensor& out, double scale,
+            int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& alibi_slopes_in,
+            const std::optional<at::Tensor>& sinks_in, bool causal, bool execute) {
   constexpr const char* op = "paged_attention";
   check_dense_cpu(op, query_in, "query");
   check_dense_cpu(op, out, "out");
@@ -1839,6 +1847,10 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
                   "] = ", block, " is outside the cache's blocks [0, ", o.num_blocks, ")");
     }
   }
+  if (!execute) {
+    check_kernel_dtype(key_cache.scalar_type());
+    return;
+  }
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t partition = plan_partition(seqs, o.heads, o.block_size, threads);
   std::vector<Item> items;
@@ -1862,9 +1874,7 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
     if (s.num_items > 1) partial_rows += s.num_items * rows;
   }
   const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "attn_di paged_attention: unsupported dtype ", dtype,
-              " (float32, bfloat16 and float16 are)");
+  check_kernel_dtype(dtype);
   if (!items.empty()) {
     if (dtype == at::kFloat) {
       run<float>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
@@ -1877,11 +1887,21 @@ void paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache,
   run_prefill(query, key_cache, value_cache, blocks, table_stride, out, o, causal, prefills);
 }
 
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, at::Tensor& out, double scale,
+                     int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& alibi_slopes,
+                     const std::optional<at::Tensor>& sinks, bool causal) {
+  attend(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, sliding_window,
+         soft_cap, alibi_slopes, sinks, causal, true);
+}
+
 // key_cache rows <- key rows, value_cache rows <- value rows, each token's at its slot
 // (slot = block * block_size + offset, vLLM's reshape_and_cache); a negative slot (padding) is
 // skipped. Every argument and slot is checked before anything is written.
-void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                    at::Tensor& value_cache, const at::Tensor& slot_mapping_in) {
+// write_kv_cache's checks, every one of them (nothing written): the slots, read as int64.
+Indices check_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& slot_mapping_in) {
   constexpr const char* op = "write_kv_cache";
   check_dense_cpu(op, key, "key");
   check_dense_cpu(op, value, "value");
@@ -1902,8 +1922,8 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
               "attn_di write_kv_cache: a cache has slots that may share memory (key_cache strides ",
               key_cache.strides(), ", value_cache strides ", value_cache.strides(), " of shape ",
               key_cache.sizes(), ")");
-  const int64_t n = key.size(0), heads = key.size(1), size = key.size(2);
-  const Indices slots = index_tensor(op, slot_mapping_in, "slot_mapping", 1);
+  const int64_t n = key.size(0);
+  Indices slots = index_tensor(op, slot_mapping_in, "slot_mapping", 1);
   TORCH_CHECK(slots.rows >= n, "attn_di write_kv_cache: slot_mapping has ", slots.rows,
               " entries for ", n, " tokens (one slot per token)");
   // The two caches are written; the rows copied and the slots may lie in neither.
@@ -1920,6 +1940,14 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   for (int64_t t = 0; t < n; ++t)
     TORCH_CHECK(slot[t] < num_slots, "attn_di write_kv_cache: slot_mapping[", t, "] = ", slot[t],
                 " is outside the cache's ", num_slots, " slots");
+  return slots;
+}
+
+// write_kv_cache's copies, after check_write passed (`slot`: its slots).
+void copy_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+               at::Tensor& value_cache, const int64_t* slot) {
+  const int64_t n = key.size(0), heads = key.size(1), size = key.size(2);
+  const int64_t block_size = key_cache.size(1);
   const int64_t item = static_cast<int64_t>(key_cache.element_size());
   const int64_t head_bytes = size * item;
   char* keys = static_cast<char*>(key_cache.data_ptr());
@@ -1939,6 +1967,71 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
       }
     }
   });
+}
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                    at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const Indices slots = check_write(key, value, key_cache, value_cache, slot_mapping);
+  copy_rows(key, value, key_cache, value_cache, slots.data);
+}
+
+// write_kv_cache of the first `written` rows of key and value, then paged_attention into
+// `output` ([N, heads * head_size], viewed as [N, heads, head_size]): one call for a decoder
+// layer's step, every check of both ops (and that the caches share no memory with what the
+// attention reads, nor output with what the write reads) made before anything is written, so
+// a refused call changes nothing. query [N, heads, head_size], key and value [N, kv_heads,
+// head_size]: the layer's own head counts and size.
+void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                      int64_t written, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      const at::Tensor& query_start_loc, at::Tensor& output, double scale,
+                      int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& alibi_slopes,
+                      const std::optional<at::Tensor>& sinks, bool causal, int64_t heads, int64_t kv_heads,
+                      int64_t head_size) {
+  constexpr const char* op = "write_and_attend";
+  check_dense_cpu(op, query, "query");
+  check_dense_cpu(op, key, "key");
+  check_dense_cpu(op, value, "value");
+  check_dense_cpu(op, output, "output");
+  const int64_t n = query.dim() == 3 ? query.size(0) : -1;
+  TORCH_CHECK(query.dim() == 3 && query.size(1) == heads && query.size(2) == head_size,
+              "attn_di write_and_attend: query must be [N, ", heads, ", ", head_size, "], got shape ",
+              query.sizes());
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == kv_heads && t->size(2) == head_size,
+                "attn_di write_and_attend: key and value must be [", n, ", ", kv_heads, ", ", head_size,
+                "], got shapes ", key.sizes(), " and ", value.sizes());
+  TORCH_CHECK(written >= 0 && written <= n, "attn_di write_and_attend: ", written,
+              " rows to write of ", n);
+  TORCH_CHECK(output.dim() == 2 && output.size(0) == n && output.size(1) == heads * head_size &&
+                  output.stride(1) == 1,
+              "attn_di write_and_attend: output must be [", n, ", ", heads * head_size,
+              "] with a contiguous last dimension, got shape ", output.sizes(), " strides ",
+              output.strides());
+  check_kernel_dtype(query.scalar_type());
+  at::Tensor out = output.view({n, heads, head_size});
+  const at::Tensor keys = key.narrow(0, 0, written), values = value.narrow(0, 0, written);
+  const Indices slots = check_write(keys, values, key_cache, value_cache, slot_mapping);
+  attend(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, sliding_window,
+         soft_cap, alibi_slopes, sinks, causal, false);
+  // What the attention reads must not change under the write, nor what the write reads under
+  // the output (the two ops check only their own pairs).
+  for (const at::Tensor* cache : {&key_cache, &value_cache}) {
+    const char* name = cache == &key_cache ? "key_cache" : "value_cache";
+    check_apart(op, *cache, name, query, "query");
+    check_apart(op, *cache, name, block_table, "block_table");
+    check_apart(op, *cache, name, seq_lens, "seq_lens");
+    check_apart(op, *cache, name, query_start_loc, "query_start_loc");
+    if (alibi_slopes.has_value()) check_apart(op, *cache, name, *alibi_slopes, "alibi_slopes");
+    if (sinks.has_value()) check_apart(op, *cache, name, *sinks, "sinks");
+    check_apart(op, *cache, name, output, "output", true);
+  }
+  check_apart(op, output, "output", key, "key");
+  check_apart(op, output, "output", value, "value");
+  check_apart(op, output, "output", slot_mapping, "slot_mapping");
+  copy_rows(keys, values, key_cache, value_cache, slots.data);
+  attend(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, sliding_window,
+         soft_cap, alibi_slopes, sinks, causal, true);
 }
 
 }  // namespace
@@ -1983,6 +2076,11 @@ TORCH_LIBRARY(attn_di, m) {
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
+  m.def(
+      "write_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping, int written, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, Tensor(c!) output, float scale, int sliding_window, float soft_cap, "
+      "Tensor? alibi_slopes, Tensor? sinks, bool causal, int heads, int kv_heads, int head_size) -> ()");
   m.def("isa() -> str", &attn_di_kernel::isa);
   m.def("bf16_paths() -> str", &attn_di_kernel::bf16_paths);
   m.def("decode_items() -> int[]", &attn_di_kernel::decode_items);
@@ -1992,4 +2090,5 @@ TORCH_LIBRARY(attn_di, m) {
 TORCH_LIBRARY_IMPL(attn_di, CPU, m) {
   m.impl("paged_attention", &attn_di_kernel::paged_attention);
   m.impl("write_kv_cache", &attn_di_kernel::write_kv_cache);
+  m.impl("write_and_attend", &attn_di_kernel::write_and_attend);
 }
