@@ -3,8 +3,9 @@
 Run as a script (``python -m tests.backends.op_fuzz --iterations N --seed S``), in a process of
 its own: a memory error would kill it, and the test that starts it sees the signal.
 
-Each round builds a valid call of ``torch.ops.attn_di.paged_attention`` or ``write_kv_cache``
-(random heads, head size, block size, layout, ragged batch), then breaks one to three things
+Each round builds a valid call of ``torch.ops.attn_di.paged_attention``, ``write_kv_cache`` or
+``write_and_attend`` (random heads, head size, block size, layout, ragged batch), then breaks one
+to three things
 about it (a shape, a dtype, a device, a stride, an index value) and calls the op. The call must
 either raise (RuntimeError and the errors torch's dispatcher raises: TypeError,
 NotImplementedError, ValueError, IndexError) or succeed; and whatever it does, it must not
@@ -123,6 +124,37 @@ def valid_write(rng: random.Random) -> Call:
     return Call("write_kv_cache", args, [cache])
 
 
+def valid_one_call(rng: random.Random) -> Call:
+    """A well-formed write_and_attend call: a paged_attention call's batch whose step keys and
+    values (the first ``written`` of them, at random slots or -1) are written first."""
+    attention = valid_attention(rng)
+    query, key_cache, value_cache, table, seq_lens, starts, out = attention.args[:7]
+    cache = attention.guards[0]
+    tokens, heads, size = out.shape
+    kv_heads, num_slots = key_cache.shape[2], key_cache.shape[0] * key_cache.shape[1]
+    output = guarded((tokens, heads * size), query.dtype)
+    slots = [rng.choice([-1, rng.randrange(num_slots)]) for _ in range(tokens)]
+    args: list[Any] = [
+        query,
+        torch.randn(tokens, kv_heads, size).to(query.dtype),
+        torch.randn(tokens, kv_heads, size).to(query.dtype),
+        key_cache,
+        value_cache,
+        torch.tensor(slots, dtype=torch.int64),
+        rng.randint(0, tokens),
+        table,
+        seq_lens,
+        starts,
+        output.tensor,
+        *attention.args[7:12],
+        True,
+        heads,
+        kv_heads,
+        size,
+    ]
+    return Call("write_and_attend", args, [cache, output])
+
+
 def _tensor_positions(call: Call) -> list[int]:
     return [i for i, arg in enumerate(call.args) if isinstance(arg, torch.Tensor)]
 
@@ -218,16 +250,22 @@ def zero_axis(call: Call, rng: random.Random) -> None:
 
 
 def bad_scalar(call: Call, rng: random.Random) -> None:
-    """A scalar option out of range (scale, window, soft cap) or an optional tensor misshapen."""
-    if call.op != "paged_attention":
+    """A scalar option out of range (scale, window, soft cap) or an optional tensor misshapen;
+    for write_and_attend also the rows to write or the layer's head counts and size."""
+    if call.op == "write_kv_cache":
         return
-    slot = rng.choice([7, 8, 9, 10, 11])
-    if slot == 7:
-        call.args[7] = rng.choice([float("nan"), float("inf"), -1.0, 0.0])
-    elif slot == 8:
-        call.args[8] = rng.choice([-5, 2**62, 1])
-    elif slot == 9:
-        call.args[9] = rng.choice([float("nan"), -3.0, float("inf")])
+    first = 7 if call.op == "paged_attention" else 11  # the scale's position
+    if call.op == "write_and_attend" and rng.random() < 0.4:
+        slot = rng.choice([6, 17, 18, 19])
+        call.args[slot] = rng.choice([-1, 0, 1, 3, call.args[slot] + 1, 2**40])
+        return
+    slot = rng.choice(range(first, first + 5))
+    if slot == first:
+        call.args[slot] = rng.choice([float("nan"), float("inf"), -1.0, 0.0])
+    elif slot == first + 1:
+        call.args[slot] = rng.choice([-5, 2**62, 1])
+    elif slot == first + 2:
+        call.args[slot] = rng.choice([float("nan"), -3.0, float("inf")])
     else:
         call.args[slot] = rng.choice(
             [torch.rand(1), torch.rand(100), torch.rand(2, 2), torch.rand(3).to("meta")]
@@ -255,10 +293,12 @@ def fuzz(iterations: int, seed: int) -> dict[str, int]:
     ops = {
         "paged_attention": torch.ops.attn_di.paged_attention,
         "write_kv_cache": torch.ops.attn_di.write_kv_cache,
+        "write_and_attend": torch.ops.attn_di.write_and_attend,
     }
+    makers = [valid_attention, valid_write, valid_one_call]
     counts = {"raised": 0, "ran": 0}
     for round_ in range(iterations):
-        call = valid_attention(rng) if rng.random() < 0.6 else valid_write(rng)
+        call = rng.choices(makers, weights=[0.45, 0.25, 0.3])[0](rng)
         for mutation in rng.sample(MUTATIONS, rng.randint(1, 3)):
             with contextlib.suppress(*ACCEPTED):  # a mutation that does not apply here
                 mutation(call, rng)

@@ -102,6 +102,18 @@ def _output_over_the_key(batch: Batch, cache: torch.Tensor) -> dict[str, torch.T
     return {"key": key, "output": buffer[: batch.query.shape[0] * width].view(-1, width)}
 
 
+def _key_padding_row_in_the_cache(batch: Batch, cache: torch.Tensor) -> dict[str, torch.Tensor]:
+    # the key's last row (a padding token, never written) is the cache's first row
+    row = OPTIONS.num_kv_heads * OPTIONS.head_size
+    before = batch.key.numel() - row
+    buffer = torch.empty(before + cache.numel(), dtype=cache.dtype)
+    in_buffer = buffer[before:].view(cache.shape)
+    in_buffer.copy_(cache)
+    key = buffer[: batch.key.numel()].view(batch.key.shape)
+    key[:-1].copy_(batch.key[:-1])
+    return {"key": key, "kv_cache": in_buffer}
+
+
 def _query_of_other_heads(batch: Batch, cache: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"query": batch.query[:, :6].contiguous()}
 
@@ -115,10 +127,17 @@ def _key_of_other_dtype(batch: Batch, cache: torch.Tensor) -> dict[str, torch.Te
     [
         (_output_in_the_cache, "output"),
         (_output_over_the_key, "output"),
+        (_key_padding_row_in_the_cache, "key"),
         (_query_of_other_heads, "query"),
         (_key_of_other_dtype, "key"),
     ],
-    ids=["output-in-the-cache", "output-over-the-key", "query-heads", "key-dtype"],
+    ids=[
+        "output-in-the-cache",
+        "output-over-the-key",
+        "key-padding-row",
+        "query-heads",
+        "key-dtype",
+    ],
 )
 def test_a_bad_input_on_a_later_layer_is_named_and_changes_nothing(
     bad: Callable[[Batch, torch.Tensor], dict[str, torch.Tensor]],
@@ -129,14 +148,10 @@ def test_a_bad_input_on_a_later_layer_is_named_and_changes_nothing(
     spy = mocker.spy(cpu_attn.CPUAttentionImpl, "_run_kernel")
     _step(batch, 1, spy)  # the step's first layer: its metadata checked
     cache = _layer_cache(batch)
+    inputs = {"query": batch.query, "key": batch.key, "value": batch.value, "kv_cache": cache}
+    inputs |= {"output": _output(batch), **bad(batch, cache)}
+    cache = inputs["kv_cache"]
     before = cache.clone()
-    inputs = {
-        "query": batch.query,
-        "key": batch.key,
-        "value": batch.value,
-        "output": _output(batch),
-    }
-    inputs.update(bad(batch, cache))
     impl = cpu_attn.CPUAttentionImpl(**OPTIONS.impl_kwargs())
 
     with pytest.raises(InvalidInputError) as caught:
@@ -147,6 +162,26 @@ def test_a_bad_input_on_a_later_layer_is_named_and_changes_nothing(
 
     assert caught.value.argument == argument
     assert _same_bits(cache, before)
+
+
+def test_a_tensor_with_a_math_bit_takes_the_checked_path(mocker: MockerFixture) -> None:
+    """An operator sees a negative view (``.conj().imag`` of a complex tensor) as a resolved
+    copy, so its own checks could not see where the caller's memory lies: such a call takes
+    the checked path, and gets its result."""
+    batch = _batch(torch.float32)
+    spy = mocker.spy(cpu_attn.CPUAttentionImpl, "_run_kernel")
+    outputs, _, _ = _step(batch, 1, spy)
+    out = torch.zeros(outputs[0].shape, dtype=torch.complex64).conj().imag
+    assert out.is_neg()
+    impl = cpu_attn.CPUAttentionImpl(**OPTIONS.impl_kwargs())
+
+    impl.forward(
+        None, batch.query, batch.key, batch.value, _layer_cache(batch), batch.metadata, out
+    )
+
+    assert spy.call_args_list[-1].kwargs.get("write") is None
+    real = batch.metadata.num_actual_tokens
+    assert torch.equal(out[:real].clone(), outputs[0][:real])
 
 
 def test_metadata_changed_in_place_is_checked_again(mocker: MockerFixture) -> None:

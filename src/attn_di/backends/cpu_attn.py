@@ -138,13 +138,17 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         output: torch.Tensor | None,
     ) -> bool:
         """The decoder step as one ``write_and_attend`` call where it applies (compiled
-        kernels loaded, an ``output`` buffer, plain CPU tensors of a supported dtype, no
-        gradient wanted, the metadata checked already); True if it ran."""
+        kernels loaded, an ``output`` buffer, plain CPU tensors of a supported dtype without
+        math bits, no gradient wanted, the metadata checked already); True if it ran."""
         fused = _cpu_kernel.write_and_attend_op()
         if fused is None or output is None or not uses_cache(self):
             return False
         tensors = (query, key, value, kv_cache, output)
         if any(type(t) is not torch.Tensor for t in tensors) or query.dim() != 3:
+            return False
+        # A tensor with a math bit (a negative view, a zero tensor) reaches an operator as a
+        # resolved copy, whose checks would not see the caller's memory.
+        if any(t.is_neg() or t._is_zerotensor() for t in tensors):
             return False
         if query.dtype not in self.backend.supported_dtypes or _wants_grad(*tensors[:4]):
             return False

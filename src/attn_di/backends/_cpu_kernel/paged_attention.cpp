@@ -2018,6 +2018,8 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
   // the output (the two ops check only their own pairs).
   for (const at::Tensor* cache : {&key_cache, &value_cache}) {
     const char* name = cache == &key_cache ? "key_cache" : "value_cache";
+    check_apart(op, *cache, name, key, "key");  // all of its rows, the unwritten ones too
+    check_apart(op, *cache, name, value, "value");
     check_apart(op, *cache, name, query, "query");
     check_apart(op, *cache, name, block_table, "block_table");
     check_apart(op, *cache, name, seq_lens, "seq_lens");
