@@ -152,7 +152,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             return False
         if query.dtype not in self.backend.supported_dtypes or _wants_grad(*tensors[:4]):
             return False
-        if not metadata_checked(self, kv_cache, metadata, query) or not metadata.num_seqs:
+        if not metadata_checked(self, kv_cache, metadata, query) or not metadata.seq_lens.shape[0]:
             return False
         try:
             self._run_kernel(
