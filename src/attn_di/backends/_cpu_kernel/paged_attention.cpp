@@ -854,7 +854,7 @@ struct Kernel {
     // cold). C tiles 0-3 hold 128 values of D per pass that way, else 64 (even, odd; even, odd).
     // With one A tile and D <= 64, tiles 2 and 3 are free: odd 16-key groups load their
     // operands into A 5 and B 2, 3 while the even group's products run (SmolLM2's shape, one
-    // thread, in L2: 15.0-15.4 -> 14.3-14.7 us a 512-key call).
+    // thread, in L2: 14.1-14.8 -> 13.7-14.1 us a 512-key call).
     const bool shared = 2 * G <= 16, pairs = shared && D <= 64;
     const int64_t chunks_per_pass = shared ? 4 : 2;  // 32 values of D each
     sc.use_value_tiles(static_cast<int>(shared ? 2 * G : G), pairs);
@@ -1719,13 +1719,15 @@ void check_kernel_dtype(at::ScalarType dtype) {
               " (float32, bfloat16 and float16 are)");
 }
 
-// paged_attention (below); with `execute` false only its checks, every one of them, and
-// nothing written.
+// paged_attention (below), `before_run` (if any) called after every check and before the
+// kernels run: what a caller must do once the arguments are known good (write_and_attend's
+// cache write).
 void attend(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_table_in, const at::Tensor& seq_lens_in,
             const at::Tensor& query_start_loc_in, at::Tensor& out, double scale,
             int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& alibi_slopes_in,
-            const std::optional<at::Tensor>& sinks_in, bool causal, bool execute) {
+            const std::optional<at::Tensor>& sinks_in, bool causal,
+            const std::function<void()>& before_run = nullptr) {
   constexpr const char* op = "paged_attention";
   check_dense_cpu(op, query_in, "query");
   check_dense_cpu(op, out, "out");
@@ -1847,10 +1849,9 @@ void attend(const at::Tensor& query_in, const at::Tensor& key_cache, const at::T
                   "] = ", block, " is outside the cache's blocks [0, ", o.num_blocks, ")");
     }
   }
-  if (!execute) {
-    check_kernel_dtype(key_cache.scalar_type());
-    return;
-  }
+  const auto dtype = key_cache.scalar_type();
+  check_kernel_dtype(dtype);
+  if (before_run) before_run();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t partition = plan_partition(seqs, o.heads, o.block_size, threads);
   std::vector<Item> items;
@@ -1873,8 +1874,6 @@ void attend(const at::Tensor& query_in, const at::Tensor& key_cache, const at::T
     s.partial_offset = partial_rows;
     if (s.num_items > 1) partial_rows += s.num_items * rows;
   }
-  const auto dtype = key_cache.scalar_type();
-  check_kernel_dtype(dtype);
   if (!items.empty()) {
     if (dtype == at::kFloat) {
       run<float>(query, key_cache, value_cache, table, seqs, items, out, o, partial_rows);
@@ -1893,7 +1892,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
                      int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& alibi_slopes,
                      const std::optional<at::Tensor>& sinks, bool causal) {
   attend(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, sliding_window,
-         soft_cap, alibi_slopes, sinks, causal, true);
+         soft_cap, alibi_slopes, sinks, causal);
 }
 
 // key_cache rows <- key rows, value_cache rows <- value rows, each token's at its slot
@@ -1978,9 +1977,10 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 // write_kv_cache of the first `written` rows of key and value, then paged_attention into
 // `output` ([N, heads * head_size], viewed as [N, heads, head_size]): one call for a decoder
 // layer's step, every check of both ops (and that the caches share no memory with what the
-// attention reads, nor output with what the write reads) made before anything is written, so
-// a refused call changes nothing. query [N, heads, head_size], key and value [N, kv_heads,
-// head_size]: the layer's own head counts and size.
+// attention reads, nor output with what the write reads) made once, before anything is
+// written (the write is attend's before_run), so a refused call changes nothing. query
+// [N, heads, head_size], key and value [N, kv_heads, head_size]: the layer's own head counts
+// and size.
 void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
                       int64_t written, const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -2013,27 +2013,26 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
   const at::Tensor keys = key.narrow(0, 0, written), values = value.narrow(0, 0, written);
   const Indices slots = check_write(keys, values, key_cache, value_cache, slot_mapping);
   attend(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, sliding_window,
-         soft_cap, alibi_slopes, sinks, causal, false);
-  // What the attention reads must not change under the write, nor what the write reads under
-  // the output (the two ops check only their own pairs).
-  for (const at::Tensor* cache : {&key_cache, &value_cache}) {
-    const char* name = cache == &key_cache ? "key_cache" : "value_cache";
-    check_apart(op, *cache, name, key, "key");  // all of its rows, the unwritten ones too
-    check_apart(op, *cache, name, value, "value");
-    check_apart(op, *cache, name, query, "query");
-    check_apart(op, *cache, name, block_table, "block_table");
-    check_apart(op, *cache, name, seq_lens, "seq_lens");
-    check_apart(op, *cache, name, query_start_loc, "query_start_loc");
-    if (alibi_slopes.has_value()) check_apart(op, *cache, name, *alibi_slopes, "alibi_slopes");
-    if (sinks.has_value()) check_apart(op, *cache, name, *sinks, "sinks");
-    check_apart(op, *cache, name, output, "output", true);
-  }
-  check_apart(op, output, "output", key, "key");
-  check_apart(op, output, "output", value, "value");
-  check_apart(op, output, "output", slot_mapping, "slot_mapping");
-  copy_rows(keys, values, key_cache, value_cache, slots.data);
-  attend(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, sliding_window,
-         soft_cap, alibi_slopes, sinks, causal, true);
+         soft_cap, alibi_slopes, sinks, causal, [&] {
+           // What the attention reads must not change under the write, nor what the write
+           // reads under the output (the two ops check only their own pairs).
+           for (const at::Tensor* cache : {&key_cache, &value_cache}) {
+             const char* name = cache == &key_cache ? "key_cache" : "value_cache";
+             check_apart(op, *cache, name, key, "key");  // all of its rows, the unwritten ones too
+             check_apart(op, *cache, name, value, "value");
+             check_apart(op, *cache, name, query, "query");
+             check_apart(op, *cache, name, block_table, "block_table");
+             check_apart(op, *cache, name, seq_lens, "seq_lens");
+             check_apart(op, *cache, name, query_start_loc, "query_start_loc");
+             if (alibi_slopes.has_value()) check_apart(op, *cache, name, *alibi_slopes, "alibi_slopes");
+             if (sinks.has_value()) check_apart(op, *cache, name, *sinks, "sinks");
+             check_apart(op, *cache, name, output, "output", true);
+           }
+           check_apart(op, output, "output", key, "key");
+           check_apart(op, output, "output", value, "value");
+           check_apart(op, output, "output", slot_mapping, "slot_mapping");
+           copy_rows(keys, values, key_cache, value_cache, slots.data);
+         });
 }
 
 }  // namespace
