@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -25,6 +26,26 @@
 #define ATTN_DI_STRINGIFY(x) ATTN_DI_STRINGIFY_(x)
 
 namespace attn_di_kernel {
+
+// Scratch storage aligned to a cache line (64 bytes): a tile row or vector of 64 bytes then
+// spans one line, not two. std::vector's own allocator aligns to 16 bytes, and glibc places
+// a block of 128 KiB or more (an mmap) 16 bytes past a page, so without this every row of a
+// large scratch buffer is split across two lines (measured: bfloat16 prefill P V at ~55
+// cycles per AMX product instead of ~16, docs/benchmarks.md).
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kLine{64};
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) noexcept {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kLine)); }
+  void deallocate(T* p, size_t) noexcept { ::operator delete(p, kLine); }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const noexcept { return true; }
+};
+template <typename T>
+using LineVector = std::vector<T, LineAllocator<T>>;
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = fVec::size();

@@ -331,7 +331,7 @@ inline void score_tile_bf16(const c10::BFloat16* const* k, int64_t nt, const c10
 // << 16, the odd last key paired with 0, 16 at a time with VCVTNEPS2BF16 (round to nearest
 // even). It reads denormal inputs as zero; softmax_exp gives none.
 inline void pack_probability_pairs(const float* p, int64_t n, int64_t rows,
-                                   std::vector<uint32_t>& pairs) {
+                                   LineVector<uint32_t>& pairs) {
   const int64_t count = (n + 1) / 2;
   pairs.resize(count * rows);
   for (int64_t u = 0; u < count; ++u) {
@@ -516,21 +516,21 @@ struct TileOperand {
 // Per-thread scratch, kept by each thread of the pool across calls (a decode step's calls are
 // short: allocating per call would cost as much as the work), grown as needed.
 struct Scratch {
-  std::vector<float> queries, scores, acc, key_row, value_row, pattern, row_max, row_sum, stage;
-  std::vector<c10::BFloat16> raw_queries;  // bfloat16 queries as given, for score_tile_bf16
-  std::vector<uint32_t> prob_pairs;  // an item's bfloat16 probability pairs (run_item_amx)
+  LineVector<float> queries, scores, acc, key_row, value_row, pattern, row_max, row_sum, stage;
+  LineVector<c10::BFloat16> raw_queries;  // bfloat16 queries as given, for score_tile_bf16
+  LineVector<uint32_t> prob_pairs;  // an item's bfloat16 probability pairs (run_item_amx)
   const float* staged[kTile];  // rows of `stage`, as score_tile / value_tile take them
   // The AMX path (run_item_amx): queries as B tiles, probabilities as A tiles, one chunk of
   // value rows as B tiles, key rows gathered where a tile's 16 rows are not equally spaced,
   // and tiles stored back as float32.
-  std::vector<uint32_t> query_tiles, prob_tiles;
-  std::vector<c10::BFloat16> value_tiles, key_gather;
+  LineVector<uint32_t> query_tiles, prob_tiles;
+  LineVector<c10::BFloat16> value_tiles, key_gather;
   // tile_values: the probabilities as A tiles, and the value rows of the 16-key groups not in
   // place (tile_in_place), gathered.
-  std::vector<uint32_t> prob_words;
-  std::vector<c10::BFloat16> value_gather;
+  LineVector<uint32_t> prob_words;
+  LineVector<c10::BFloat16> value_gather;
   std::vector<TileOperand> value_operands;
-  std::vector<float> tile_out, out_tiles;
+  LineVector<float> tile_out, out_tiles;
   std::vector<int32_t> col_rows;
 #if defined(ATTN_DI_AMX)
   // The tile configuration this thread loaded: C tiles `bytes` wide (configure_tiles), minus
@@ -570,7 +570,7 @@ struct Scratch {
 // multiple of kLanes (32 heads) this is the row-major sweep; with 9 heads (SmolLM2) it
 // avoids a scalar exp per score.
 inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* row_max,
-                               float* row_sum, std::vector<float>& pattern) {
+                               float* row_sum, LineVector<float>& pattern) {
   const int64_t total = n * rows;
   const int64_t period = std::lcm(rows, kLanes);
   const int64_t used = std::min(period, total);  // lanes of the pattern that hold a score
@@ -1215,8 +1215,8 @@ struct Kernel {
     // Softmax numerators in place (a row without a visible key keeps max -inf and sum 0).
     sc.row_max.assign(rows, kNegInf);
     sc.row_sum.assign(rows, 0.f);
-    std::vector<float>& row_max = sc.row_max;
-    std::vector<float>& row_sum = sc.row_sum;
+    LineVector<float>& row_max = sc.row_max;
+    LineVector<float>& row_sum = sc.row_sum;
     softmax_numerators(scores, n, rows, row_max.data(), row_sum.data(), sc.pattern);
     mark_only_neg_inf(s, item, sc);
     // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only. A one-token
@@ -1568,7 +1568,7 @@ template <typename T>
 void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
          const Indices& table, std::vector<Sequence>& seqs, std::vector<Item>& items,
          at::Tensor& out, const Options& o, int64_t partial_rows) {
-  std::vector<float> partial_acc(partial_rows * o.head_size), partial_max(partial_rows),
+  LineVector<float> partial_acc(partial_rows * o.head_size), partial_max(partial_rows),
       partial_sum(partial_rows);
   Kernel<T> kernel{query.const_data_ptr<T>(),
                    query.stride(0),

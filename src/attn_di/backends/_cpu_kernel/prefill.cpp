@@ -82,9 +82,9 @@ struct Item {
 // Per-thread buffers, grown as needed and reused across items.
 template <typename C>
 struct Scratch {
-  std::vector<C> q, k_rows, k_plain, k_pack, v_plain, v_pack, p;
-  std::vector<uint32_t> k_tiles, v_tiles;  // the tile GEMMs' B operands (Prefill::tiles)
-  std::vector<float> o, m, l, s, line, rmax, rescale, shift;
+  LineVector<C> q, k_rows, k_plain, k_pack, v_plain, v_pack, p;
+  LineVector<uint32_t> k_tiles, v_tiles;  // the tile GEMMs' B operands (Prefill::tiles)
+  LineVector<float> o, m, l, s, line, rmax, rescale, shift;
   std::vector<char> started;  // per row block: its O holds a value
   std::vector<char> saw;      // per row: it saw a key of the item (kOnlyNegInfScores)
   int64_t head_size = -1;     // the D the tile buffers are laid out (and zero-padded) for
@@ -693,7 +693,7 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
     }
     if (parts > 1) partial_rows += parts * rows;
   }
-  std::vector<float> partial_o(partial_rows * kernel.dv), partial_m(partial_rows),
+  LineVector<float> partial_o(partial_rows * kernel.dv), partial_m(partial_rows),
       partial_l(partial_rows);
   kernel.partial_o = partial_o.data();
   kernel.partial_m = partial_m.data();
