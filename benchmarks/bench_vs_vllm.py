@@ -73,6 +73,9 @@ SHAPES: dict[str, Shape] = {
     # bfloat16, past a 300 MB L3; SmolLM2's 30 layers). The rows above reread one cache.
     "decode-cold": Shape(8, 1, 2048, layers=8),
     "smollm2-decode-cold": Shape(8, 1, 560, 9, 3, 64, layers=30),
+    # vLLM's CPU default block size (128; the rows above use 32): vLLM's op runs faster on
+    # larger blocks, ours does not depend on the block size (docs/benchmarks.md).
+    "smollm2-decode-cold-b128": Shape(8, 1, 560, 9, 3, 64, 128, layers=30),
 }
 
 
@@ -274,7 +277,7 @@ def main() -> None:
     print("GEMM roof (torch.mm 1024^3): " + ", ".join(
         f"{str(d).removeprefix('torch.')} {g:.0f} GFLOP/s" for d, g in roofs.items()))  # fmt: skip
     print()
-    print(f"{'shape':<19} {'dtype':<9} {'vLLM isa':<8} {'vLLM ms':>9} {'attn_di ms':>10} "
+    print(f"{'shape':<24} {'dtype':<9} {'vLLM isa':<8} {'vLLM ms':>9} {'attn_di ms':>10} "
           f"{'ratio':>6} {'attn_di GFLOP/s':>15} {'roof':>8} "
           f"{'max err (ours/vLLM)':>20}")  # fmt: skip
     for name in options.only.split(","):
@@ -302,7 +305,7 @@ def main() -> None:
                 roof = f"{statistics.median(floor) * 1e3:.2f}ms"
             else:
                 roof = f"{roofs[dtype]:.0f}"
-            print(f"{name:<19} {str(dtype).removeprefix('torch.'):<9} {case.isa:<8} "
+            print(f"{name:<24} {str(dtype).removeprefix('torch.'):<9} {case.isa:<8} "
                   f"{t_peer * 1e3:>9.2f} {t_ours * 1e3:>10.2f} {t_ours / t_peer:>6.2f} "
                   f"{case.flops / t_ours / 1e9:>15.0f} {roof:>8} "
                   f"{errors[0]:>9.1e}/{errors[1]:.1e}")  # fmt: skip
