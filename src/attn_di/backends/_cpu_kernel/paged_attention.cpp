@@ -2015,7 +2015,8 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
   attend(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, sliding_window,
          soft_cap, alibi_slopes, sinks, causal, [&] {
            // What the attention reads must not change under the write, nor what the write
-           // reads under the output (the two ops check only their own pairs).
+           // reads under the output (the two ops check only their own pairs; attend has
+           // already refused the output sharing memory with a cache).
            for (const at::Tensor* cache : {&key_cache, &value_cache}) {
              const char* name = cache == &key_cache ? "key_cache" : "value_cache";
              check_apart(op, *cache, name, key, "key");  // all of its rows, the unwritten ones too
@@ -2026,7 +2027,6 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
              check_apart(op, *cache, name, query_start_loc, "query_start_loc");
              if (alibi_slopes.has_value()) check_apart(op, *cache, name, *alibi_slopes, "alibi_slopes");
              if (sinks.has_value()) check_apart(op, *cache, name, *sinks, "sinks");
-             check_apart(op, *cache, name, output, "output", true);
            }
            check_apart(op, output, "output", key, "key");
            check_apart(op, output, "output", value, "value");
