@@ -15,6 +15,7 @@ import pytest
 import torch
 from pytest_mock import MockerFixture
 
+from attn_di.backend import AttentionMetadata
 from attn_di.backends import cpu_attn
 from attn_di.exceptions import InvalidInputError
 from tests.backends.reference import Batch, Options, make_batch, reference_attention
@@ -204,3 +205,66 @@ def test_metadata_changed_in_place_is_checked_again(mocker: MockerFixture) -> No
     assert caught.value.argument in {"seq_lens", "max_seq_len", "block_table"}
     assert _same_bits(cache, before)
     assert spy.call_count == 1  # only the first layer's
+
+
+def _float_token_count(metadata: AttentionMetadata) -> None:
+    metadata.num_actual_tokens = float(metadata.num_actual_tokens)  # type: ignore[assignment]
+
+
+def _int_causal(metadata: AttentionMetadata) -> None:
+    metadata.causal = 1  # type: ignore[assignment]
+
+
+def _equal_copy_of_seq_lens(metadata: AttentionMetadata) -> None:
+    metadata.seq_lens = metadata.seq_lens.clone()
+
+
+def _larger_max_seq_len(metadata: AttentionMetadata) -> None:
+    metadata.max_seq_len += 1
+
+
+def _written_block_table(metadata: AttentionMetadata) -> None:
+    metadata.block_table.add_(0)  # same values, a new version
+
+
+@pytest.mark.parametrize(
+    ("edit", "refused"),
+    [
+        (_float_token_count, "num_actual_tokens"),
+        (_int_causal, "causal"),
+        (_equal_copy_of_seq_lens, None),
+        (_larger_max_seq_len, None),
+        (_written_block_table, None),
+    ],
+    ids=["float-token-count", "int-causal", "seq-lens-copy", "larger-max-seq-len", "table-written"],
+)
+def test_metadata_edited_between_layers_takes_the_checked_path(
+    edit: Callable[[AttentionMetadata], None], refused: str | None, mocker: MockerFixture
+) -> None:
+    """Each field the first layer's checks passed is compared again on every later layer, by
+    identity and version for tensors and by value and type for the rest: an edit that keeps
+    values equal (4.0 for 4, 1 for True, an equal copy, an in-place write) still sends the
+    next call through the full checks, which refuse it or run the checked path."""
+    batch = _batch(torch.float32)
+    spy = mocker.spy(cpu_attn.CPUAttentionImpl, "_run_kernel")
+    outputs, _, one_call = _step(batch, 2, spy)
+    assert one_call == [False, True]
+    edit(batch.metadata)
+    cache = _layer_cache(batch)
+    before = cache.clone()
+    impl = cpu_attn.CPUAttentionImpl(**OPTIONS.impl_kwargs())
+    out = _output(batch)
+    calls = spy.call_count
+
+    if refused is not None:
+        with pytest.raises(InvalidInputError) as caught:
+            impl.forward(None, batch.query, batch.key, batch.value, cache, batch.metadata, out)
+        assert caught.value.argument == refused
+        assert _same_bits(cache, before)
+        assert spy.call_count == calls
+        return
+    impl.forward(None, batch.query, batch.key, batch.value, cache, batch.metadata, out)
+    assert spy.call_args_list[calls].kwargs.get("write") is None  # the checked path ran
+    assert _same_bits(out, outputs[0])
+    _, _, again = _step(batch, 1, spy)
+    assert again == [True]  # checked once more, the step's later layers are one call again

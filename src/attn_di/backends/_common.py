@@ -304,11 +304,52 @@ def metadata_checked(
     ``impl`` with this cache's shape and strides and ``query``'s token count and device: a
     model step's later layers, whose metadata the first layer's call checked. False where
     that cannot be known (see :func:`_metadata_stamp`)."""
-    try:
-        stamp = _metadata_stamp(impl, kv_cache, metadata, int(query.shape[0]), query.device)
-    except (AttributeError, IndexError):  # not AttentionMetadata-shaped, or a 0-d query
+    stored = _remembered(metadata)
+    if stored is None:
         return False
-    return stamp is not None and _same_stamp(_remembered(metadata), stamp)
+    try:
+        return _stamp_matches(stored, impl, kv_cache, metadata, int(query.shape[0]), query.device)
+    except (AttributeError, IndexError):  # no longer AttentionMetadata-shaped, or a 0-d query
+        return False
+
+
+def _stamp_matches(
+    stored: _Stamp,
+    impl: AttentionImpl,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    num_tokens: int,
+    device: torch.device,
+) -> bool:
+    """``_same_stamp(stored, _metadata_stamp(impl, kv_cache, metadata, num_tokens, device))``,
+    compared field by field as it is read, without building the stamp: the later layers of a
+    model step ask this once per call."""
+    tensors, facts = stored
+    qsl, seq_lens, table, slots = tensors
+    if (
+        metadata.query_start_loc is not qsl
+        or metadata.seq_lens is not seq_lens
+        or metadata.block_table is not table
+        or metadata.slot_mapping is not slots
+    ):
+        return False
+    versions, actual, max_query, max_seq, causal, types, *call = facts
+    if (qsl._version, seq_lens._version, table._version, slots._version) != versions:
+        return False
+    fields = (metadata.num_actual_tokens, metadata.max_query_len, metadata.max_seq_len)
+    if fields != (actual, max_query, max_seq) or metadata.causal is not causal:
+        return False
+    if (*map(type, fields), bool) != types:
+        return False
+    return call == [
+        num_tokens,
+        uses_cache(impl),
+        impl.num_kv_heads,
+        impl.head_size,
+        tuple(kv_cache.shape),
+        kv_cache.stride(),
+        device,
+    ]
 
 
 def _remembered(metadata: object) -> _Stamp | None:

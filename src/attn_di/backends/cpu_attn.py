@@ -143,14 +143,29 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         fused = _cpu_kernel.write_and_attend_op()
         if fused is None or output is None or not uses_cache(self):
             return False
-        tensors = (query, key, value, kv_cache, output)
-        if any(type(t) is not torch.Tensor for t in tensors) or query.dim() != 3:
+        # Written out rather than looped over: this runs once per layer call, and a
+        # generator's set-up costs as much as the checks (docs/benchmarks.md).
+        tensor = torch.Tensor
+        if not (
+            type(query) is tensor
+            and type(key) is tensor
+            and type(value) is tensor
+            and type(kv_cache) is tensor
+            and type(output) is tensor
+            and query.dim() == 3
+        ):
             return False
         # A tensor with a math bit (a negative view, a zero tensor) reaches an operator as a
         # resolved copy, whose checks would not see the caller's memory.
-        if any(t.is_neg() or t._is_zerotensor() for t in tensors):
+        if (
+            query.is_neg() or key.is_neg() or value.is_neg() or kv_cache.is_neg()
+            or output.is_neg() or query._is_zerotensor() or key._is_zerotensor()
+            or value._is_zerotensor() or kv_cache._is_zerotensor() or output._is_zerotensor()
+        ):  # fmt: skip
             return False
-        if query.dtype not in self.backend.supported_dtypes or _wants_grad(*tensors[:4]):
+        if query.dtype not in self.backend.supported_dtypes or _wants_grad(
+            query, key, value, kv_cache
+        ):
             return False
         if not metadata_checked(self, kv_cache, metadata, query) or not metadata.seq_lens.shape[0]:
             return False
