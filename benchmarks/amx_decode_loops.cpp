@@ -1,0 +1,187 @@
+// The AMX tile loops of CPU_ATTN's bfloat16 decode (tile_scores, tile_values in
+// src/attn_di/backends/_cpu_kernel/paged_attention.cpp), alone: how fast the memory system
+// feeds them, without the softmax and the transposes of P around them.
+//
+// Shape: SmolLM2-135M's decode, B8 x 510 keys, 9 query heads / 3 KV heads of 64, on vLLM's
+// head-major pages of 128 tokens (per block and KV head, 128 key rows then 128 value rows),
+// blocks in shuffled order. Per 16 keys: S^T = K Q^T per KV head (the key rows in place as
+// the A operand, two products of 32 values of D), then P V per KV head (the value rows in
+// place as the B operand, one A tile of 2G rows). Two orders of the same products:
+//   two-pass  all scores of a sequence, then all of its P V (the kernel's order)
+//   chunked   scores then P V per chunk of keys (vLLM's single pass)
+// The operands' values are zeros: only the loads, products and stores are timed.
+//
+// Build and run (Linux, a CPU with AMX-BF16; `layers` caches taken in turn, 1 keeps them in
+// the L2/L3, 30 and more spill past the L3 on most machines):
+//   c++ -O2 -mamx-tile -mamx-bf16 -mavx512f -o /tmp/amx_decode_loops benchmarks/amx_decode_loops.cpp
+//   /tmp/amx_decode_loops [layers=30] [chunk=64]
+// Prints the CPU model, then per order the median of 7 sweeps: microseconds per layer call
+// (the TSC, calibrated against CLOCK_MONOTONIC) and GB/s of K and V read. docs/benchmarks.md
+// has the numbers and what they mean.
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <x86intrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kKvHeads = 3, kGroup = 3, kHeads = kKvHeads * kGroup, kHeadSize = 64;
+constexpr int kBlock = 128, kSeqs = 8, kContext = 510;
+constexpr int kRowBytes = kHeadSize * 2;              // one token's row of one KV head
+constexpr int kPageBytes = kBlock * 2 * kRowBytes;    // keys then values of one KV head
+constexpr int kBlockBytes = kKvHeads * kPageBytes;
+constexpr int kBlocksPerSeq = (kContext + kBlock - 1) / kBlock;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+alignas(64) uint32_t g_query_tiles[kKvHeads * kHeadSize / 2 * 16];
+alignas(64) uint32_t g_prob_words[16 * 16];
+alignas(64) float g_scores[(kContext + 16) * kHeads];
+alignas(64) float g_out[16 * 16];
+
+std::string cpu_model() {
+  std::ifstream info("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(info, line))
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+
+double seconds() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+}
+
+// TSC ticks per microsecond, over 100 ms of wall time.
+double ticks_per_us() {
+  const double t0 = seconds();
+  const uint64_t c0 = __rdtsc();
+  while (seconds() - t0 < 0.1) {
+  }
+  return static_cast<double>(__rdtsc() - c0) / ((seconds() - t0) * 1e6);
+}
+
+// Scores of keys [j0, j0 + 16) of sequence s for every KV head (C tiles 0-2, G columns each).
+inline void score_group(const char* cache, const int* table, int s, int j0) {
+  const char* rows = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
+                     (j0 % kBlock) * kRowBytes;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  for (int kc = 0; kc < kHeadSize / 32; ++kc) {
+    _tile_loadd(5, g_query_tiles + 0 * 512 + kc * 256, 64);
+    _tile_loadd(4, rows + 0 * kPageBytes + kc * 64, kRowBytes);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, g_query_tiles + 1 * 512 + kc * 256, 64);
+    _tile_loadd(6, rows + 1 * kPageBytes + kc * 64, kRowBytes);
+    _tile_dpbf16ps(1, 6, 5);
+    _tile_loadd(5, g_query_tiles + 2 * 512 + kc * 256, 64);
+    _tile_loadd(4, rows + 2 * kPageBytes + kc * 64, kRowBytes);
+    _tile_dpbf16ps(2, 4, 5);
+  }
+  float* out = g_scores + j0 * kHeads;
+  _tile_stored(0, out, kHeads * 4);
+  _tile_stored(1, out + kGroup, kHeads * 4);
+  _tile_stored(2, out + 2 * kGroup, kHeads * 4);
+}
+
+// P V of keys [j0, j0 + 16) of sequence s for KV head g into C tile 3 (2G rows x 16 columns).
+inline void value_group(const char* cache, const int* table, int s, int g, int j0) {
+  const char* rows = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
+                     g * kPageBytes + kBlock * kRowBytes + (j0 % kBlock) * kRowBytes;
+  _tile_loadd(7, g_prob_words, 64);
+  _tile_loadd(4, rows, kRowBytes);
+  _tile_dpbf16ps(3, 7, 4);
+  _tile_loadd(6, rows + 64, kRowBytes);
+  _tile_dpbf16ps(3, 7, 6);
+}
+
+void keys_then_values(const char* cache, const int* table, int s, int lo, int hi) {
+  for (int j0 = lo; j0 < hi; j0 += 16) score_group(cache, table, s, j0);
+  for (int g = 0; g < kKvHeads; ++g) {
+    _tile_zero(3);
+    for (int j0 = lo; j0 < hi; j0 += 16) value_group(cache, table, s, g, j0);
+    _tile_stored(3, g_out, 64);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int layers = argc > 1 ? std::atoi(argv[1]) : 30;
+  const int chunk = argc > 2 ? std::atoi(argv[2]) : 64;
+  std::printf("CPU: %s; AMX-BF16 tiles; %d layers, chunks of %d keys\n", cpu_model().c_str(), layers,
+              chunk);
+  if (layers < 1 || chunk < 16 || chunk % 16 != 0) {
+    std::fprintf(stderr, "layers must be >= 1 and chunk a multiple of 16 keys\n");
+    return 2;
+  }
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) != 0) {
+    std::fprintf(stderr, "Linux refused the AMX tile state (no AMX on this CPU or kernel)\n");
+    return 1;
+  }
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  for (int t : {0, 1, 2, 5}) config.colsb[t] = kGroup * 4;  // score C tiles and query B tile
+  config.rows[3] = config.rows[7] = 2 * kGroup;            // P V: C tile and probability A tile
+  _tile_loadconfig(&config);
+
+  const int blocks = kSeqs * kBlocksPerSeq;
+  std::vector<char*> caches;
+  for (int l = 0; l < layers; ++l) {
+    char* cache = static_cast<char*>(std::aligned_alloc(4096, static_cast<size_t>(blocks) * kBlockBytes));
+    std::memset(cache, 0, static_cast<size_t>(blocks) * kBlockBytes);
+    caches.push_back(cache);
+  }
+  std::vector<int> table(blocks);
+  for (int i = 0; i < blocks; ++i) table[i] = i;
+  std::shuffle(table.begin(), table.end(), std::mt19937(0));
+  const double bytes = 2.0 * kSeqs * kContext * kKvHeads * kRowBytes;  // K and V read per call
+  const double tick_rate = ticks_per_us();
+  std::printf("TSC: %.0f ticks a microsecond\n", tick_rate);
+
+  for (int order = 0; order < 2; ++order) {
+    std::vector<double> sweeps;
+    for (int sweep = 0; sweep < 8; ++sweep) {
+      const uint64_t start = __rdtsc();
+      for (int l = 0; l < layers; ++l)
+        for (int s = 0; s < kSeqs; ++s) {
+          if (order == 0) {
+            keys_then_values(caches[l], table.data(), s, 0, kContext);
+          } else {
+            for (int lo = 0; lo < kContext; lo += chunk)
+              keys_then_values(caches[l], table.data(), s, lo, std::min(kContext, lo + chunk));
+          }
+        }
+      if (sweep > 0) sweeps.push_back(static_cast<double>(__rdtsc() - start) / tick_rate / layers);
+    }
+    std::sort(sweeps.begin(), sweeps.end());
+    const double us = sweeps[sweeps.size() / 2];
+    std::printf("%-9s %8.1f us a layer call  %6.1f GB/s\n", order == 0 ? "two-pass" : "chunked", us,
+                bytes / us / 1e3);
+  }
+  _tile_release();
+  for (char* cache : caches) std::free(cache);
+  return 0;
+}
