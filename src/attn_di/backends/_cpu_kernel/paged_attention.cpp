@@ -569,8 +569,13 @@ struct Scratch {
 // running maxima / shifts / sums (`pattern`, 2P floats) serves every period. With rows a
 // multiple of kLanes (32 heads) this is the row-major sweep; with 9 heads (SmolLM2) it
 // avoids a scalar exp per score.
+//
+// `scale` (> 0) is a factor the scores still lack: e = exp((s - max) * scale) and row_max[r]
+// holds the scaled max, as if the block had been scaled first (the max of the scaled scores is
+// the scaled max: rounding is monotone). tile_scores leaves its scaling here, which saves a
+// pass over the block.
 inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* row_max,
-                               float* row_sum, LineVector<float>& pattern) {
+                               float* row_sum, LineVector<float>& pattern, float scale = 1.f) {
   const int64_t total = n * rows;
   const int64_t period = std::lcm(rows, kLanes);
   const int64_t used = std::min(period, total);  // lanes of the pattern that hold a score
@@ -605,13 +610,15 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* ro
     const int64_t len = std::min(period, total - c);
     for (int64_t k = 0; k < len; k += kLanes) {
       const int64_t count = std::min(kLanes, len - k);
-      const fVec x = fVec::loadu(block + k, count) - fVec::loadu(lanes + k);
+      const fVec x = (fVec::loadu(block + k, count) - fVec::loadu(lanes + k)) * fVec(scale);
       const fVec e = softmax_exp(x);
       e.store(block + k, count);
       (fVec::loadu(sums + k) + fVec::set(zero, e, count)).store(sums + k);
     }
   }
   for (int64_t p = 0, r = 0; p < used; ++p, r = r + 1 == rows ? 0 : r + 1) row_sum[r] += sums[p];
+  if (scale != 1.f)
+    for (int64_t r = 0; r < rows; ++r) row_max[r] *= scale;
 }
 
 template <typename T>
@@ -749,7 +756,8 @@ struct Kernel {
   // The C tiles are configured G columns wide (amx.h), so each stores its 16 keys' G scores
   // straight into the score block (rows g * G .. g * G + G - 1 of scores[j * H + r]); the
   // block is scaled once at the end (a tile store's data is not forwarded to vector loads:
-  // reading it right away would wait on it) and then masked (mask_scores). `scores` holds
+  // reading it right away would wait on it), or by the softmax where scale_in_softmax(), and
+  // then masked (mask_scores). `scores` holds
   // (n + 15) x H floats: a partial last tile's extra rows land past the item's keys.
   void tile_scores(const Item& item, const Sequence& s, Scratch& sc, float* scores) const {
     const int64_t H = o.heads, G = o.group, D = o.head_size, KV = o.kv_heads;
@@ -776,12 +784,22 @@ struct Kernel {
         if (count > 3) _tile_stored(3, out_tile + (g + 3) * G, out_stride);
       }
     }
-    const fVec scale(o.scale);
-    const int64_t total = n * H;
-    int64_t i = 0;
-    for (; i + kLanes <= total; i += kLanes) (fVec::loadu(scores + i) * scale).store(scores + i);
-    if (i < total) (fVec::loadu(scores + i, total - i) * scale).store(scores + i, total - i);
+    if (!scale_in_softmax()) {
+      const fVec scale(o.scale);
+      const int64_t total = n * H;
+      int64_t i = 0;
+      for (; i + kLanes <= total; i += kLanes) (fVec::loadu(scores + i) * scale).store(scores + i);
+      if (i < total) (fVec::loadu(scores + i, total - i) * scale).store(scores + i, total - i);
+    }
     for (int64_t j0 = 0; j0 < n; j0 += 16) mask_scores(s, item, scores, j0, std::min<int64_t>(16, n - j0));
+  }
+
+  // Whether tile_scores leaves the scores unscaled for softmax_numerators to scale: where
+  // nothing between the two needs them scaled (no soft cap, no ALiBi; the mask writes -inf
+  // whatever the scale) and the scale is a positive finite number (so that the max commutes
+  // with it). A pass over the score block fewer: ~2% of a SmolLM2 decode call.
+  bool scale_in_softmax() const {
+    return o.soft_cap == 0.f && o.alibi == nullptr && o.scale > 0.f && std::isfinite(o.scale);
   }
 
   // Pass 2 of a tile_scores item on AMX tiles: acc[r] = sum_j p[j, r] v_j, the value rows read
@@ -1217,7 +1235,11 @@ struct Kernel {
     sc.row_sum.assign(rows, 0.f);
     LineVector<float>& row_max = sc.row_max;
     LineVector<float>& row_sum = sc.row_sum;
-    softmax_numerators(scores, n, rows, row_max.data(), row_sum.data(), sc.pattern);
+    float unapplied = 1.f;  // the scale tile_scores left to the softmax
+#if defined(ATTN_DI_AMX)
+    if (tiles && scale_in_softmax()) unapplied = o.scale;
+#endif
+    softmax_numerators(scores, n, rows, row_max.data(), row_sum.data(), sc.pattern, unapplied);
     mark_only_neg_inf(s, item, sc);
     // Pass 2: acc[r] += p[j, r] * v_j over the visible (row, key) pairs only. A one-token
     // bfloat16 item (every tile full) of D a multiple of 32 keeps its accumulators in
