@@ -286,6 +286,15 @@ def _metadata_stamp(
                 ),
             )
         ),
+        _call_facts(impl, kv_cache, num_tokens, device),
+    )
+
+
+def _call_facts(
+    impl: AttentionImpl, kv_cache: torch.Tensor, num_tokens: int, device: torch.device
+) -> tuple[object, ...]:
+    """The call's part of a metadata stamp: what the index checks' verdict also depends on."""
+    return (
         num_tokens,
         uses_cache(impl),
         impl.num_kv_heads,
@@ -333,7 +342,7 @@ def _stamp_matches(
         or metadata.slot_mapping is not slots
     ):
         return False
-    versions, actual, max_query, max_seq, causal, types, *call = facts
+    versions, actual, max_query, max_seq, causal, types, call = facts
     if (qsl._version, seq_lens._version, table._version, slots._version) != versions:
         return False
     fields = (metadata.num_actual_tokens, metadata.max_query_len, metadata.max_seq_len)
@@ -341,15 +350,7 @@ def _stamp_matches(
         return False
     if (*map(type, fields), bool) != types:
         return False
-    return call == [
-        num_tokens,
-        uses_cache(impl),
-        impl.num_kv_heads,
-        impl.head_size,
-        tuple(kv_cache.shape),
-        kv_cache.stride(),
-        device,
-    ]
+    return call == _call_facts(impl, kv_cache, num_tokens, device)
 
 
 def _remembered(metadata: object) -> _Stamp | None:
