@@ -301,3 +301,66 @@ def test_prefill_paths_match_reference(name: str, threads: int, kernel_calls: li
         assert taken in ({1}, {2}), taken
     else:
         assert taken == {path}, taken
+
+
+@requires_kernel
+@requires_amx
+@pytest.mark.parametrize("scale", [128**-0.5, 3.0, 1e-3], ids=["1/sqrt(128)", "3", "1e-3"])
+@pytest.mark.parametrize("shared", [0.0, 8.0], ids=["plain", "shared-component"])
+def test_scores_scaled_in_the_softmax_match_scaled_scores(scale: float, shared: float) -> None:
+    """Without a soft cap or ALiBi, tile_scores leaves the scale to the softmax, which takes
+    exp((s - max) * scale) (one pass over the scores fewer). The result is the scaled path's
+    (forced here by ALiBi slopes of zero, which add exactly nothing) and the float64
+    reference's, for a scale that is no power of two, a large and a small one, and keys that
+    share a large component (every score far from zero, the softmax of their differences).
+    Two sequences, one long enough to be split into items merged afterwards, NaN in every
+    slot no sequence covers."""
+    heads, kv_heads, size, block = 8, 2, 128, 16
+    seq_lens = [300, 2100]
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(2, heads, size, generator=generator)
+    common = torch.randn(kv_heads, size, generator=generator) * shared
+    keys = [torch.randn(n, kv_heads, size, generator=generator) + common for n in seq_lens]
+    values = [torch.randn(n, kv_heads, size, generator=generator) for n in seq_lens]
+    query, keys, values = (
+        query.bfloat16(),
+        [k.bfloat16() for k in keys],
+        [v.bfloat16() for v in values],
+    )
+    blocks = [(n + block - 1) // block for n in seq_lens]
+    key_cache = torch.full((sum(blocks) + 3, block, kv_heads, size), math.nan, dtype=torch.bfloat16)
+    value_cache = torch.full_like(key_cache, math.inf)
+    order = torch.randperm(key_cache.shape[0], generator=generator)
+    table = torch.zeros(2, max(blocks), dtype=torch.int32)
+    first = 0
+    for b, n in enumerate(seq_lens):
+        table[b, : blocks[b]] = order[first : first + blocks[b]].int()
+        first += blocks[b]
+        for pos in range(n):
+            slot_block, offset = int(table[b, pos // block]), pos % block
+            key_cache[slot_block, offset] = keys[b][pos]
+            value_cache[slot_block, offset] = values[b][pos]
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+
+    def run(alibi: torch.Tensor | None) -> torch.Tensor:
+        out = torch.full_like(query, math.nan)
+        torch.ops.attn_di.paged_attention(
+            query, key_cache, value_cache, table, lens, starts, out, scale, 0, 0.0, alibi
+        )
+        return out
+
+    before = _decode_items()
+    deferred = run(None)
+    assert _decode_items()[1] - before[1] >= 3  # on tile_scores: the long sequence split
+    scaled = run(torch.zeros(heads))
+    group = heads // kv_heads
+    for b in range(2):
+        k = keys[b].double().repeat_interleave(group, dim=1)  # [n, H, D]
+        v = values[b].double().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", query[b].double(), k) * scale, dim=-1)
+        expected = torch.einsum("hn,nhd->hd", weights, v)
+        assert_matches(deferred[b], expected, torch.bfloat16)
+        assert_matches(scaled[b], expected, torch.bfloat16)
+    tol = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(deferred.double(), scaled.double(), atol=tol, rtol=tol)

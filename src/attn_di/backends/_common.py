@@ -346,9 +346,10 @@ def _stamp_matches(
     if (qsl._version, seq_lens._version, table._version, slots._version) != versions:
         return False
     fields = (metadata.num_actual_tokens, metadata.max_query_len, metadata.max_seq_len)
-    if fields != (actual, max_query, max_seq) or metadata.causal is not causal:
+    # types first: a value of another type (an array, a tensor) is never compared
+    if (*map(type, fields), type(metadata.causal)) != types:
         return False
-    if (*map(type, fields), bool) != types:
+    if fields != (actual, max_query, max_seq) or metadata.causal is not causal:
         return False
     return call == _call_facts(impl, kv_cache, num_tokens, device)
 

@@ -757,8 +757,8 @@ struct Kernel {
   // straight into the score block (rows g * G .. g * G + G - 1 of scores[j * H + r]); the
   // block is scaled once at the end (a tile store's data is not forwarded to vector loads:
   // reading it right away would wait on it), or by the softmax where scale_in_softmax(), and
-  // then masked (mask_scores). `scores` holds
-  // (n + 15) x H floats: a partial last tile's extra rows land past the item's keys.
+  // then masked (mask_scores). `scores` holds (n + 15) x H floats: a partial last tile's extra
+  // rows land past the item's keys.
   void tile_scores(const Item& item, const Sequence& s, Scratch& sc, float* scores) const {
     const int64_t H = o.heads, G = o.group, D = o.head_size, KV = o.kv_heads;
     const int64_t n = item.stop - item.start;
