@@ -574,6 +574,66 @@ struct Scratch {
 // holds the scaled max, as if the block had been scaled first (the max of the scaled scores is
 // the scaled max: rounding is monotone). tile_scores leaves its scaling here, which saves a
 // pass over the block.
+// The running max of one lane of the pattern and a vector of scores: VMAXPS leaves out a NaN
+// in x (it returns its second operand where either is NaN).
+inline fVec lane_max(const fVec& x, const fVec& old) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_max_ps(x, old);
+#else
+  return fVec::blendv(old, x, x > old);
+#endif
+}
+
+// softmax_numerators' two sweeps over the first `full` scores (whole periods of P vectors),
+// the pattern's P vectors of maxima (then shifts) and sums held in registers rather than
+// reloaded and stored per vector: the sweeps are most of a decode item's softmax
+// (SmolLM2's 9 heads: P = 9).
+template <int P>
+void max_sweep(const float* scores, int64_t full, float* lanes) {
+  fVec m[P];
+  for (int k = 0; k < P; ++k) m[k] = fVec::loadu(lanes + k * kLanes);
+  for (int64_t c = 0; c < full; c += P * kLanes)
+    for (int k = 0; k < P; ++k) m[k] = lane_max(fVec::loadu(scores + c + k * kLanes), m[k]);
+  for (int k = 0; k < P; ++k) m[k].store(lanes + k * kLanes);
+}
+
+template <int P>
+void exp_sweep(float* scores, int64_t full, const float* lanes, float* sums, float scale) {
+  fVec shift[P], sum[P];
+  const fVec factor(scale);
+  for (int k = 0; k < P; ++k) {
+    shift[k] = fVec::loadu(lanes + k * kLanes);
+    sum[k] = fVec::loadu(sums + k * kLanes);
+  }
+  for (int64_t c = 0; c < full; c += P * kLanes)
+    for (int k = 0; k < P; ++k) {
+      float* at = scores + c + k * kLanes;
+      const fVec e = softmax_exp((fVec::loadu(at) - shift[k]) * factor);
+      e.store(at);
+      sum[k] = sum[k] + e;
+    }
+  for (int k = 0; k < P; ++k) sum[k].store(sums + k * kLanes);
+}
+
+// Periods of at most this many vectors take the register sweeps (two arrays of P vectors
+// beside softmax_exp's constants and temporaries: 32 registers of 512 bits, 16 of 256).
+constexpr int64_t kRegisterPeriods = kLanes >= 16 ? 9 : 4;
+
+// The sweep for a period of `vectors` vectors over `full` scores; false where no register
+// sweep has that many (the per-vector loop in memory takes them).
+template <int P = 1>
+bool register_sweep(bool exp, float* scores, int64_t full, int64_t vectors, float* lanes,
+                    float* sums, float scale) {
+  if constexpr (P > kRegisterPeriods) {
+    return false;
+  } else {
+    if (vectors != P) return register_sweep<P + 1>(exp, scores, full, vectors, lanes, sums, scale);
+    if (exp) exp_sweep<P>(scores, full, lanes, sums, scale);
+    else max_sweep<P>(scores, full, lanes);
+    return true;
+  }
+}
+
 inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* row_max,
                                float* row_sum, LineVector<float>& pattern, float scale = 1.f) {
   const int64_t total = n * rows;
@@ -582,19 +642,18 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* ro
   pattern.assign(2 * period, kNegInf);
   float* lanes = pattern.data();       // running max, then the shift, per lane of a period
   float* sums = lanes + period;        // running sum per lane of a period
+  // Whole periods in registers where the period is short enough; the rest (a partial last
+  // period, or every period of a long one) by the loops below.
+  int64_t swept = total / period * period;
+  if (!register_sweep(false, scores, swept, period / kLanes, lanes, sums, scale)) swept = 0;
   // Periods start at multiples of `period`, the last one possibly partial: lane k of every
   // period belongs to row k % rows.
-  for (int64_t c = 0; c < total; c += period) {
+  for (int64_t c = swept; c < total; c += period) {
     const int64_t len = std::min(period, total - c);
     for (int64_t k = 0; k < len; k += kLanes) {
       const int64_t count = std::min(kLanes, len - k);
       const fVec old = fVec::loadu(lanes + k);
-      const fVec x = fVec::loadu(scores + c + k, count);
-#if defined(CPU_CAPABILITY_AVX512)
-      const fVec peak = _mm512_max_ps(x, old);  // VMAXPS: `old` where x is NaN
-#else
-      const fVec peak = fVec::blendv(old, x, x > old);
-#endif
+      const fVec peak = lane_max(fVec::loadu(scores + c + k, count), old);
       fVec::set(old, peak, count).store(lanes + k);
     }
   }
@@ -605,7 +664,8 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* ro
     sums[p] = 0.f;
   }
   const fVec zero(0.f);
-  for (int64_t c = 0; c < total; c += period) {
+  if (swept > 0) register_sweep(true, scores, swept, period / kLanes, lanes, sums, scale);
+  for (int64_t c = swept; c < total; c += period) {
     float* block = scores + c;
     const int64_t len = std::min(period, total - c);
     for (int64_t k = 0; k < len; k += kLanes) {
