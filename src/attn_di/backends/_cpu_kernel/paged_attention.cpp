@@ -557,23 +557,6 @@ struct Scratch {
   }
 };
 
-// Softmax numerators of a token-major score block (scores[j * rows + r], n keys) in place:
-// per row r its max over the keys into row_max[r], then e = exp(s - max) in place and its
-// sum into row_sum[r] (row_max and row_sum start at -inf and 0). A row whose scores are all
-// -inf is shifted by 0 and sums to 0; a NaN score makes its row's numerators and sum NaN (and
-// merge_partials its output row NaN, as the reference's softmax gives): the max leaves NaN
-// out (one VMAXPS per vector, no NaN-propagating compare and blend), softmax_exp keeps it.
-//
-// The block is swept as one flat array of full vectors. Element i belongs to row i % rows,
-// so the rows of the lanes repeat with period P = lcm(rows, kLanes): one period's worth of
-// running maxima / shifts / sums (`pattern`, 2P floats) serves every period. With rows a
-// multiple of kLanes (32 heads) this is the row-major sweep; with 9 heads (SmolLM2) it
-// avoids a scalar exp per score.
-//
-// `scale` (> 0) is a factor the scores still lack: e = exp((s - max) * scale) and row_max[r]
-// holds the scaled max, as if the block had been scaled first (the max of the scaled scores is
-// the scaled max: rounding is monotone). tile_scores leaves its scaling here, which saves a
-// pass over the block.
 // The running max of one lane of the pattern and a vector of scores: VMAXPS leaves out a NaN
 // in x (it returns its second operand where either is NaN).
 inline fVec lane_max(const fVec& x, const fVec& old) {
@@ -634,6 +617,23 @@ bool register_sweep(bool exp, float* scores, int64_t full, int64_t vectors, floa
   }
 }
 
+// Softmax numerators of a token-major score block (scores[j * rows + r], n keys) in place:
+// per row r its max over the keys into row_max[r], then e = exp(s - max) in place and its
+// sum into row_sum[r] (row_max and row_sum start at -inf and 0). A row whose scores are all
+// -inf is shifted by 0 and sums to 0; a NaN score makes its row's numerators and sum NaN (and
+// merge_partials its output row NaN, as the reference's softmax gives): the max leaves NaN
+// out (one VMAXPS per vector, no NaN-propagating compare and blend), softmax_exp keeps it.
+//
+// The block is swept as one flat array of full vectors. Element i belongs to row i % rows,
+// so the rows of the lanes repeat with period P = lcm(rows, kLanes): one period's worth of
+// running maxima / shifts / sums (`pattern`, 2P floats) serves every period. With rows a
+// multiple of kLanes (32 heads) this is the row-major sweep; with 9 heads (SmolLM2) it
+// avoids a scalar exp per score.
+//
+// `scale` (> 0) is a factor the scores still lack: e = exp((s - max) * scale) and row_max[r]
+// holds the scaled max, as if the block had been scaled first (the max of the scaled scores is
+// the scaled max: rounding is monotone). tile_scores leaves its scaling here, which saves a
+// pass over the block.
 inline void softmax_numerators(float* scores, int64_t n, int64_t rows, float* row_max,
                                float* row_sum, LineVector<float>& pattern, float scale = 1.f) {
   const int64_t total = n * rows;
