@@ -6,9 +6,16 @@
 // head-major pages of 128 tokens (per block and KV head, 128 key rows then 128 value rows),
 // blocks in shuffled order. Per 16 keys: S^T = K Q^T per KV head (the key rows in place as
 // the A operand, two products of 32 values of D), then P V per KV head (the value rows in
-// place as the B operand, one A tile of 2G rows). Two orders of the same products:
+// place as the B operand, one A tile of 2G rows). Two orders of the same products, then the
+// same two passes on two packed page interiors (same page size and place, keys and values in
+// the order AMX's B operands take them, so that S comes out query row by query row and P is
+// the A operand of P V as it is, with no transposes; the loops' products have G rows):
 //   two-pass  all scores of a sequence, then all of its P V (the kernel's order)
 //   chunked   scores then P V per chunk of keys (vLLM's single pass)
+//   packed    keys as K^T in pairs of D ([D/2][block][2]), values in pairs of keys
+//             ([block/2][D][2]): a tile's 16 rows are a row of the block apart
+//   tiled     the same pairs with every tile one contiguous KiB: keys [block/16][D/2][16][2],
+//             values [block/32][D/16][16][16][2]
 // The operands' values are zeros: only the loads, products and stores are timed.
 //
 // Build and run (Linux, a CPU with AMX-BF16; `layers` caches taken in turn, 1 keeps them in
@@ -122,6 +129,114 @@ void keys_then_values(const char* cache, const int* table, int s, int lo, int hi
   }
 }
 
+// The same products on a packed page interior: per block and KV head, the keys as K^T in
+// pairs of D ([D/2][block][2]: a B tile is 16 pairs of D x 16 keys) and the values in pairs
+// of keys ([block/2][D][2]: a B tile is 16 key pairs x 16 values of D). S = Q K^T then comes out one query row per tile row (G rows, 16 keys), and
+// P (bfloat16, row-major) is the A operand of P V as it is: G-row products, no transposes.
+alignas(64) uint16_t g_query_rows[kHeads * kHeadSize];
+alignas(64) float g_row_scores[kHeads * (kContext + 32)];
+alignas(64) uint16_t g_probs[kHeads * (kContext + 32)];
+
+void packed(const char* cache, const int* table, int s, int lo, int hi) {
+  constexpr int kScoreStride = (kContext + 32) * 4;
+  for (int j0 = lo; j0 < hi; j0 += 16) {
+    const char* page = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
+                       (j0 % kBlock) * 4;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int kc = 0; kc < kHeadSize / 32; ++kc) {
+      const size_t pairs = static_cast<size_t>(kc) * 16 * kBlock * 4;
+      _tile_loadd(4, g_query_rows + 0 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
+      _tile_loadd(6, page + 0 * kPageBytes + pairs, kBlock * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, g_query_rows + 1 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
+      _tile_loadd(7, page + 1 * kPageBytes + pairs, kBlock * 4);
+      _tile_dpbf16ps(1, 5, 7);
+      _tile_loadd(4, g_query_rows + 2 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
+      _tile_loadd(6, page + 2 * kPageBytes + pairs, kBlock * 4);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    _tile_stored(0, g_row_scores + 0 * kGroup * (kContext + 32) + j0, kScoreStride);
+    _tile_stored(1, g_row_scores + 1 * kGroup * (kContext + 32) + j0, kScoreStride);
+    _tile_stored(2, g_row_scores + 2 * kGroup * (kContext + 32) + j0, kScoreStride);
+  }
+  for (int g = 0; g < kKvHeads; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int j0 = lo; j0 < hi; j0 += 32) {
+      const char* page = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
+                         g * kPageBytes + kBlock * kRowBytes + (j0 % kBlock) / 2 * kHeadSize * 4;
+      _tile_loadd(5, g_probs + g * kGroup * (kContext + 32) + j0, (kContext + 32) * 2);
+      _tile_loadd(6, page, kHeadSize * 4);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_loadd(7, page + 64, kHeadSize * 4);
+      _tile_dpbf16ps(1, 5, 7);
+      _tile_loadd(6, page + 128, kHeadSize * 4);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, page + 192, kHeadSize * 4);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, g_out, 256);
+    _tile_stored(1, g_out + 16, 256);
+    _tile_stored(2, g_out + 32, 256);
+    _tile_stored(3, g_out + 48, 256);
+  }
+}
+
+// `packed` with every tile operand one contiguous KiB: per block and KV head, the keys as
+// [block/16][D/2][16][2] (a 16-key group's K^T pairs, 32 values of D a tile) and the values
+// as [block/32][D/16][16][16][2] (a 32-key group's pairs, 16 values of D a tile).
+void tiled(const char* cache, const int* table, int s, int lo, int hi) {
+  constexpr int kScoreStride = (kContext + 32) * 4;
+  for (int j0 = lo; j0 < hi; j0 += 16) {
+    const char* page = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
+                       (j0 % kBlock) / 16 * (kHeadSize / 2 * 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int kc = 0; kc < kHeadSize / 32; ++kc) {
+      _tile_loadd(4, g_query_rows + 0 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
+      _tile_loadd(6, page + 0 * kPageBytes + kc * 1024, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, g_query_rows + 1 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
+      _tile_loadd(7, page + 1 * kPageBytes + kc * 1024, 64);
+      _tile_dpbf16ps(1, 5, 7);
+      _tile_loadd(4, g_query_rows + 2 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
+      _tile_loadd(6, page + 2 * kPageBytes + kc * 1024, 64);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    _tile_stored(0, g_row_scores + 0 * kGroup * (kContext + 32) + j0, kScoreStride);
+    _tile_stored(1, g_row_scores + 1 * kGroup * (kContext + 32) + j0, kScoreStride);
+    _tile_stored(2, g_row_scores + 2 * kGroup * (kContext + 32) + j0, kScoreStride);
+  }
+  for (int g = 0; g < kKvHeads; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int j0 = lo; j0 < hi; j0 += 32) {
+      const char* page = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
+                         g * kPageBytes + kBlock * kRowBytes + (j0 % kBlock) / 32 * (kHeadSize / 16 * 1024);
+      _tile_loadd(5, g_probs + g * kGroup * (kContext + 32) + j0, (kContext + 32) * 2);
+      _tile_loadd(6, page, 64);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_loadd(7, page + 1024, 64);
+      _tile_dpbf16ps(1, 5, 7);
+      _tile_loadd(6, page + 2048, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, page + 3072, 64);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, g_out, 256);
+    _tile_stored(1, g_out + 16, 256);
+    _tile_stored(2, g_out + 32, 256);
+    _tile_stored(3, g_out + 48, 256);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -161,7 +276,14 @@ int main(int argc, char** argv) {
   const double tick_rate = ticks_per_us();
   std::printf("TSC: %.0f ticks a microsecond\n", tick_rate);
 
-  for (int order = 0; order < 2; ++order) {
+  TileConfig packed_config;
+  for (int t = 0; t < 8; ++t) {
+    packed_config.rows[t] = 16;
+    packed_config.colsb[t] = 64;
+  }
+  for (int t : {0, 1, 2, 3, 4, 5}) packed_config.rows[t] = kGroup;  // C tiles, Q and P A tiles
+  for (int order = 0; order < 4; ++order) {
+    if (order == 2) _tile_loadconfig(&packed_config);
     std::vector<double> sweeps;
     for (int sweep = 0; sweep < 8; ++sweep) {
       const uint64_t start = __rdtsc();
@@ -169,6 +291,10 @@ int main(int argc, char** argv) {
         for (int s = 0; s < kSeqs; ++s) {
           if (order == 0) {
             keys_then_values(caches[l], table.data(), s, 0, kContext);
+          } else if (order == 2) {
+            packed(caches[l], table.data(), s, 0, kContext);
+          } else if (order == 3) {
+            tiled(caches[l], table.data(), s, 0, kContext);
           } else {
             for (int lo = 0; lo < kContext; lo += chunk)
               keys_then_values(caches[l], table.data(), s, lo, std::min(kContext, lo + chunk));
@@ -178,7 +304,8 @@ int main(int argc, char** argv) {
     }
     std::sort(sweeps.begin(), sweeps.end());
     const double us = sweeps[sweeps.size() / 2];
-    std::printf("%-9s %8.1f us a layer call  %6.1f GB/s\n", order == 0 ? "two-pass" : "chunked", us,
+    static const char* const kOrders[] = {"two-pass", "chunked", "packed", "tiled"};
+    std::printf("%-9s %8.1f us a layer call  %6.1f GB/s\n", kOrders[order], us,
                 bytes / us / 1e3);
   }
   _tile_release();
