@@ -128,7 +128,7 @@ def valid_one_call(rng: random.Random) -> Call:
     """A well-formed write_and_attend call: a paged_attention call's batch whose step keys and
     values (the first ``written`` of them, at random slots or -1) are written first."""
     attention = valid_attention(rng)
-    query, key_cache, value_cache, table, seq_lens, starts, out = attention.args[:7]
+    query, key_cache, _, table, seq_lens, starts, out = attention.args[:7]
     cache = attention.guards[0]
     tokens, heads, size = out.shape
     kv_heads, num_slots = key_cache.shape[2], key_cache.shape[0] * key_cache.shape[1]
@@ -138,8 +138,7 @@ def valid_one_call(rng: random.Random) -> Call:
         query,
         torch.randn(tokens, kv_heads, size).to(query.dtype),
         torch.randn(tokens, kv_heads, size).to(query.dtype),
-        key_cache,
-        value_cache,
+        cache.tensor,
         torch.tensor(slots, dtype=torch.int64),
         rng.randint(0, tokens),
         table,
@@ -249,14 +248,25 @@ def zero_axis(call: Call, rng: random.Random) -> None:
         call.args[i] = tensor.narrow(axis, 0, 0)
 
 
+def math_bit(call: Call, rng: random.Random) -> None:
+    """A tensor with a math bit: a negative view of its values (float32: the imaginary part of
+    a conjugated complex64 tensor), or a zero tensor (no memory)."""
+    i = rng.choice(_tensor_positions(call))
+    tensor = call.args[i]
+    if rng.random() < 0.5 and tensor.dtype == torch.float32 and tensor.device.type == "cpu":
+        call.args[i] = torch.complex(torch.zeros_like(tensor), -tensor).conj().imag
+    else:
+        call.args[i] = torch._efficientzerotensor(tensor.shape, dtype=tensor.dtype)
+
+
 def bad_scalar(call: Call, rng: random.Random) -> None:
     """A scalar option out of range (scale, window, soft cap) or an optional tensor misshapen;
     for write_and_attend also the rows to write or the layer's head counts and size."""
     if call.op == "write_kv_cache":
         return
-    first = 7 if call.op == "paged_attention" else 11  # the scale's position
+    first = 7 if call.op == "paged_attention" else 10  # the scale's position
     if call.op == "write_and_attend" and rng.random() < 0.4:
-        slot = rng.choice([6, 17, 18, 19])
+        slot = rng.choice([5, 16, 17, 18])  # written, heads, kv_heads, head_size
         call.args[slot] = rng.choice([-1, 0, 1, 3, call.args[slot] + 1, 2**40])
         return
     slot = rng.choice(range(first, first + 5))
@@ -282,6 +292,7 @@ MUTATIONS: list[Callable[[Call, random.Random], None]] = [
     swap_index_values,
     odd_strides,
     zero_axis,
+    math_bit,
     bad_scalar,
 ]
 

@@ -9,6 +9,7 @@ NaN keys and Inf values in the slots no sequence covers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -123,6 +124,11 @@ def _key_of_other_dtype(batch: Batch, cache: torch.Tensor) -> dict[str, torch.Te
     return {"key": batch.key.double()}
 
 
+def _zero_tensor_output(batch: Batch, cache: torch.Tensor) -> dict[str, torch.Tensor]:
+    # a zero tensor has no memory to write: the op refuses it, then the checked path names it
+    return {"output": torch._efficientzerotensor(_output(batch).shape)}
+
+
 @pytest.mark.parametrize(
     ("bad", "argument"),
     [
@@ -131,6 +137,7 @@ def _key_of_other_dtype(batch: Batch, cache: torch.Tensor) -> dict[str, torch.Te
         (_key_padding_row_in_the_cache, "key"),
         (_query_of_other_heads, "query"),
         (_key_of_other_dtype, "key"),
+        (_zero_tensor_output, "output"),
     ],
     ids=[
         "output-in-the-cache",
@@ -138,6 +145,7 @@ def _key_of_other_dtype(batch: Batch, cache: torch.Tensor) -> dict[str, torch.Te
         "key-padding-row",
         "query-heads",
         "key-dtype",
+        "zero-tensor-output",
     ],
 )
 def test_a_bad_input_on_a_later_layer_is_named_and_changes_nothing(
@@ -165,24 +173,76 @@ def test_a_bad_input_on_a_later_layer_is_named_and_changes_nothing(
     assert _same_bits(cache, before)
 
 
-def test_a_tensor_with_a_math_bit_takes_the_checked_path(mocker: MockerFixture) -> None:
-    """An operator sees a negative view (``.conj().imag`` of a complex tensor) as a resolved
-    copy, so its own checks could not see where the caller's memory lies: such a call takes
-    the checked path, and gets its result."""
+def _negative_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as a negative view (``.conj().imag`` of a complex tensor)."""
+    view = torch.complex(torch.zeros_like(tensor), -tensor).conj().imag
+    assert view.is_neg()
+    assert _same_bits(view.resolve_neg(), tensor)
+    return view
+
+
+MATH_BITS: dict[str, Callable[[dict[str, torch.Tensor]], None]] = {
+    "negative output": lambda t: t.update(output=_negative_view(t["output"])),
+    "zero query": lambda t: t.update(query=torch._efficientzerotensor(t["query"].shape)),
+    "negative key": lambda t: t.update(key=_negative_view(t["key"])),
+}
+
+
+@pytest.mark.parametrize("math_bit", list(MATH_BITS))
+def test_a_tensor_with_a_math_bit_takes_the_checked_path(
+    mocker: MockerFixture, math_bit: str
+) -> None:
+    """``write_and_attend`` sees a negative view or a zero tensor as the caller holds it (not as
+    the resolved copy an operator gets, whose memory checks would not see the caller's
+    memory) and refuses it: such a call takes the checked path, and gets its result."""
     batch = _batch(torch.float32)
     spy = mocker.spy(cpu_attn.CPUAttentionImpl, "_run_kernel")
-    outputs, _, _ = _step(batch, 1, spy)
-    out = torch.zeros(outputs[0].shape, dtype=torch.complex64).conj().imag
-    assert out.is_neg()
+    _step(batch, 1, spy)  # the step's first layer: its metadata checked
+    tensors = {"query": batch.query, "key": batch.key, "output": _output(batch)}
+    MATH_BITS[math_bit](tensors)
+    query, key, out = tensors["query"], tensors["key"], tensors["output"]
     impl = cpu_attn.CPUAttentionImpl(**OPTIONS.impl_kwargs())
 
-    impl.forward(
-        None, batch.query, batch.key, batch.value, _layer_cache(batch), batch.metadata, out
-    )
+    impl.forward(None, query, key, batch.value, _layer_cache(batch), batch.metadata, out)
 
-    assert spy.call_args_list[-1].kwargs.get("write") is None
+    # the one-call op was asked and refused it; then the checked path ran
+    assert [call.kwargs.get("write") is not None for call in spy.call_args_list[1:]] == [
+        True,
+        False,
+    ]
+    # the same values without math bits, through the checked path (metadata never checked)
+    resolved = {
+        name: torch.zeros(t.shape, dtype=t.dtype) if t._is_zerotensor() else t.resolve_neg()
+        for name, t in tensors.items()
+    }
+    fresh = dataclasses.replace(batch.metadata)
+    impl = cpu_attn.CPUAttentionImpl(**OPTIONS.impl_kwargs())
+    expected = impl.forward(
+        None, resolved["query"], resolved["key"], batch.value, _layer_cache(batch), fresh,
+        _output(batch),
+    )  # fmt: skip
     real = batch.metadata.num_actual_tokens
-    assert torch.equal(out[:real].clone(), outputs[0][:real])
+    assert torch.equal(out[:real].clone(), expected[:real])
+
+
+def test_write_and_attend_refuses_a_math_bit_before_writing() -> None:
+    """The op itself refuses a negative view (an argument it would otherwise read or write
+    through memory that is not the caller's): a RuntimeError naming it, the cache unchanged."""
+    batch = _batch(torch.float32)
+    cache, out = _layer_cache(batch), _output(batch)
+    before = cache.clone()
+    impl = cpu_attn.CPUAttentionImpl(**OPTIONS.impl_kwargs())
+    options = (impl.scale, OPTIONS.sliding_window, OPTIONS.logits_soft_cap, None, OPTIONS.sinks)
+    m = batch.metadata
+
+    with pytest.raises(RuntimeError, match="output is a negative or conjugate view"):
+        torch.ops.attn_di.write_and_attend(
+            batch.query, batch.key, batch.value, cache, m.slot_mapping, m.num_actual_tokens,
+            m.block_table, m.seq_lens, m.query_start_loc, _negative_view(out), *options, True,
+            OPTIONS.num_heads, OPTIONS.num_kv_heads, OPTIONS.head_size,
+        )  # fmt: skip
+
+    assert _same_bits(cache, before)
 
 
 def test_metadata_changed_in_place_is_checked_again(mocker: MockerFixture) -> None:

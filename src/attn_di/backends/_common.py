@@ -312,46 +312,36 @@ def metadata_checked(
     tensors the same objects at the same versions, its fields the same) for a call of
     ``impl`` with this cache's shape and strides and ``query``'s token count and device: a
     model step's later layers, whose metadata the first layer's call checked. False where
-    that cannot be known (see :func:`_metadata_stamp`)."""
-    stored = _remembered(metadata)
-    if stored is None:
+    that cannot be known (see :func:`_metadata_stamp`).
+
+    ``_same_stamp(_remembered(metadata), _metadata_stamp(...))``, compared field by field as
+    it is read, without building the stamp, in one function: the later layers of a model step
+    ask this once per call, where each Python call costs (docs/benchmarks.md)."""
+    entry = _STAMPS.get(id(metadata))
+    if entry is None or entry[0]() is not metadata:
         return False
+    tensors, facts = entry[1]
+    qsl, seq_lens, table, slots = tensors
     try:
-        return _stamp_matches(stored, impl, kv_cache, metadata, int(query.shape[0]), query.device)
+        if (
+            metadata.query_start_loc is not qsl
+            or metadata.seq_lens is not seq_lens
+            or metadata.block_table is not table
+            or metadata.slot_mapping is not slots
+        ):
+            return False
+        versions, actual, max_query, max_seq, causal, types, call = facts
+        if (qsl._version, seq_lens._version, table._version, slots._version) != versions:
+            return False
+        fields = (metadata.num_actual_tokens, metadata.max_query_len, metadata.max_seq_len)
+        # types first: a value of another type (an array, a tensor) is never compared
+        if (*map(type, fields), type(metadata.causal)) != types:
+            return False
+        if fields != (actual, max_query, max_seq) or metadata.causal is not causal:
+            return False
+        return call == _call_facts(impl, kv_cache, int(query.shape[0]), query.device)
     except (AttributeError, IndexError):  # no longer AttentionMetadata-shaped, or a 0-d query
         return False
-
-
-def _stamp_matches(
-    stored: _Stamp,
-    impl: AttentionImpl,
-    kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    num_tokens: int,
-    device: torch.device,
-) -> bool:
-    """``_same_stamp(stored, _metadata_stamp(impl, kv_cache, metadata, num_tokens, device))``,
-    compared field by field as it is read, without building the stamp: the later layers of a
-    model step ask this once per call."""
-    tensors, facts = stored
-    qsl, seq_lens, table, slots = tensors
-    if (
-        metadata.query_start_loc is not qsl
-        or metadata.seq_lens is not seq_lens
-        or metadata.block_table is not table
-        or metadata.slot_mapping is not slots
-    ):
-        return False
-    versions, actual, max_query, max_seq, causal, types, call = facts
-    if (qsl._version, seq_lens._version, table._version, slots._version) != versions:
-        return False
-    fields = (metadata.num_actual_tokens, metadata.max_query_len, metadata.max_seq_len)
-    # types first: a value of another type (an array, a tensor) is never compared
-    if (*map(type, fields), type(metadata.causal)) != types:
-        return False
-    if fields != (actual, max_query, max_seq) or metadata.causal is not causal:
-        return False
-    return call == _call_facts(impl, kv_cache, num_tokens, device)
 
 
 def _remembered(metadata: object) -> _Stamp | None:

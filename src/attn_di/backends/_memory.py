@@ -169,15 +169,22 @@ def check_apart(
     hundred nanoseconds a tensor): tensors whose storages lie apart are not looked at further.
 
     Raises:
-        InvalidInputError: naming the tensor and the one it shares memory with.
+        InvalidInputError: naming the tensor and the one it shares memory with, or a written
+            tensor that is a zero tensor (it has no memory).
     """
     if (output is None and not writes_cache) or query.device.type == "meta":
         return  # nothing written, or no memory (meta tensors)
     written: list[tuple[str, torch.Tensor, tuple[int, int]]] = []
-    if writes_cache:
-        written.append(("kv_cache", kv_cache, _storage_range(kv_cache)))
-    if output is not None:
-        written.append(("output", output, _storage_range(output)))
+    for name, buffer in (("kv_cache", kv_cache if writes_cache else None), ("output", output)):
+        if buffer is None:
+            continue
+        if buffer._is_zerotensor():
+            raise InvalidInputError(
+                name,
+                "is a zero tensor (torch._efficientzerotensor): it has no memory to write",
+                hint=f"pass a buffer of its own, e.g. torch.zeros({tuple(buffer.shape)})",
+            )
+        written.append((name, buffer, _storage_range(buffer)))
     if len(written) == 2:
         _refuse_if_shared(written[1], written[0])
     sinks = getattr(impl, "sinks", None)
@@ -192,8 +199,8 @@ def check_apart(
         ("sinks", sinks if isinstance(sinks, torch.Tensor) else None),
     )
     for name, tensor in reads:
-        if tensor is None:
-            continue
+        if tensor is None or tensor._is_zerotensor():
+            continue  # no memory (a zero tensor has none): nothing to share
         storage = tensor.untyped_storage()
         a0 = storage.data_ptr()
         a1 = a0 + storage.nbytes()

@@ -155,14 +155,8 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             and query.dim() == 3
         ):
             return False
-        # A tensor with a math bit (a negative view, a zero tensor) reaches an operator as a
-        # resolved copy, whose checks would not see the caller's memory.
-        if (
-            query.is_neg() or key.is_neg() or value.is_neg() or kv_cache.is_neg()
-            or output.is_neg() or query._is_zerotensor() or key._is_zerotensor()
-            or value._is_zerotensor() or kv_cache._is_zerotensor() or output._is_zerotensor()
-        ):  # fmt: skip
-            return False
+        # A tensor with a math bit (a negative or conjugate view, a zero tensor) reaches the op
+        # as it is, not as a resolved copy: the op refuses it (a RuntimeError, below).
         if query.dtype not in self.backend.supported_dtypes or _wants_grad(
             query, key, value, kv_cache
         ):
@@ -170,9 +164,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         if not metadata_checked(self, kv_cache, metadata, query) or not metadata.seq_lens.shape[0]:
             return False
         try:
-            self._run_kernel(
-                fused, query, kv_cache[0], kv_cache[1], metadata, output, write=(key, value)
-            )
+            self._run_kernel(fused, query, (kv_cache,), metadata, output, write=(key, value))
         except RuntimeError:
             return False  # refused before any write: the checked path says why
         return True
@@ -193,10 +185,11 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             or key.device.type != "cpu"
             or key.stride(-1) != 1
             or value.stride(-1) != 1
+            or _has_math_bit(kv_cache)  # a negative view: written through torch's own ops
         ):
             super()._write_kv_cache(key, value, kv_cache, slot_mapping)
             return
-        op(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+        op(_resolved(key), _resolved(value), kv_cache[0], kv_cache[1], _resolved(slot_mapping))
 
     def _forward_fast(
         self,
@@ -215,7 +208,7 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             kernel = _cpu_kernel.paged_attention_op()
             if kernel is not None:
                 if cached:
-                    self._run_kernel(kernel, query, kv_cache[0], kv_cache[1], metadata, rows)
+                    self._run_kernel(kernel, query, (kv_cache[0], kv_cache[1]), metadata, rows)
                 else:
                     self._encoder_kernel(kernel, query, key, value, metadata, rows)
                 return True
@@ -250,31 +243,32 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             slot_mapping=metadata.slot_mapping,
             causal=False,
         )
-        self._run_kernel(kernel, query, key.unsqueeze(1), value.unsqueeze(1), encoder, rows)
+        self._run_kernel(kernel, query, (key.unsqueeze(1), value.unsqueeze(1)), encoder, rows)
 
     def _run_kernel(
         self,
         kernel: Any,
         query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        caches: tuple[torch.Tensor, ...],
         metadata: AttentionMetadata,
         rows: torch.Tensor,
         write: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Attention of every query straight from the paged cache into ``rows``, compiled.
 
-        ``kernel`` is ``torch.ops.attn_di.paged_attention``; ``key_cache``/``value_cache``
-        are ``[num_blocks, block_size, H_kv, D]`` planes. It reads only the slots of
+        ``kernel`` is ``torch.ops.attn_di.paged_attention`` and ``caches`` its
+        ``(key_cache, value_cache)``, ``[num_blocks, block_size, H_kv, D]`` planes. It reads
+        only the slots of
         positions each query may see, so garbage elsewhere in the cache never reaches
         ``rows``. The fixed layer options are converted once per impl; the sinks are passed
         as they are on every call (the kernel reads them as float32), so in-place updates
         (``load_state_dict``, ``sinks.fill_``) reach it.
 
         With ``write`` (``(key, value)``, ``[N, H_kv, D]``), ``kernel`` is
-        ``torch.ops.attn_di.write_and_attend`` and ``rows`` the ``[N, H * D]`` output: the
-        first ``metadata.num_actual_tokens`` keys and values go to their slots first
-        (:meth:`_one_call`).
+        ``torch.ops.attn_di.write_and_attend``, ``caches`` ``(kv_cache,)`` (the layer's
+        ``[2, num_blocks, block_size, H_kv, D]`` cache, whose planes the op takes itself) and
+        ``rows`` the ``[N, H * D]`` output: the first ``metadata.num_actual_tokens`` keys and
+        values go to their slots first (:meth:`_one_call`).
         """
         if self._kernel_options is None:
             alibi = self.alibi_slopes
@@ -285,12 +279,11 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 None if alibi is None else torch.tensor(alibi, dtype=torch.float32),
             )
         sinks = None if self.sinks is None else self.sinks.detach()
-        if write is not None:
+        if write is not None:  # the one-call lane: the op refuses math bits (_one_call)
             kernel(
                 query,
                 *write,
-                key_cache,
-                value_cache,
+                *caches,
                 metadata.slot_mapping,
                 metadata.num_actual_tokens,
                 metadata.block_table,
@@ -306,18 +299,18 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             )
             return
         # The kernel writes rows whose last dimension is contiguous; any other ``output=``
-        # gets a contiguous copy (padding rows kept as they were), copied back after.
-        target = rows if rows.stride(-1) == 1 else rows.contiguous()
+        # (or a negative view) gets a contiguous copy (padding rows kept as they were), copied
+        # back after. The ops refuse math bits: the checked path hands them resolved tensors.
+        target = rows.resolve_neg().contiguous() if rows.stride(-1) != 1 else rows.resolve_neg()
         kernel(
-            query,
-            key_cache,
-            value_cache,
-            metadata.block_table,
-            metadata.seq_lens,
-            metadata.query_start_loc,
+            _resolved(query),
+            *map(_resolved, caches),
+            _resolved(metadata.block_table),
+            _resolved(metadata.seq_lens),
+            _resolved(metadata.query_start_loc),
             target,
             *self._kernel_options,
-            sinks,
+            None if sinks is None else _resolved(sinks),
             bool(metadata.causal),
         )
         if target is not rows:
@@ -597,6 +590,22 @@ def _kernel_applies(query: torch.Tensor, keys: torch.Tensor, metadata: Attention
     if query.device.type != "cpu" or keys.dtype != query.dtype or not metadata.num_seqs:
         return False
     return not _wants_grad(query, keys)
+
+
+def _has_math_bit(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a negative or conjugate view or a zero tensor, which the compiled
+    ops refuse (they see such tensors as the caller holds them)."""
+    return tensor.is_neg() or tensor.is_conj() or tensor._is_zerotensor()
+
+
+def _resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values without a math bit: itself where it has none (no copy), else a
+    copy (a zero tensor's zeros, a negative or conjugate view's values)."""
+    if not _has_math_bit(tensor):
+        return tensor
+    if tensor._is_zerotensor():
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return tensor.resolve_neg().resolve_conj()
 
 
 def _wants_grad(*tensors: torch.Tensor) -> bool:

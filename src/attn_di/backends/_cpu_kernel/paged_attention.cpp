@@ -42,6 +42,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -1463,6 +1464,23 @@ struct Kernel {
 // -- argument checks (before any memory is touched) ---------------------------------------
 
 // A dense CPU tensor: what the ops read through raw pointers.
+// A tensor as its caller holds it: the ops take the Negative, Conjugate and ZeroTensor
+// dispatch keys as fallthroughs (at the end of this file), so a negative or conjugate view, or
+// a zero tensor, reaches them unresolved. They refuse it (a RuntimeError): torch's fallback
+// would hand a read argument over as a resolved copy, whose memory checks would not see the
+// caller's memory, and it cannot take an op that writes a resolved copy of an argument and
+// returns nothing (an internal assert, then a crash, in torch 2.13). CPU_ATTN resolves such
+// tensors before it calls an op (cpu_attn._resolved), or takes its checked path.
+void check_no_math_bits(const char* op, const at::Tensor& t, const char* name) {
+  TORCH_CHECK(!t.defined() || (!t.is_neg() && !t.is_conj() && !t._is_zerotensor()), "attn_di ", op, ": ",
+              name, " is a negative or conjugate view or a zero tensor; pass it resolved (resolve_neg(), ",
+              "resolve_conj(), clone())");
+}
+
+void check_no_math_bits(const char* op, const std::optional<at::Tensor>& t, const char* name) {
+  if (t.has_value()) check_no_math_bits(op, *t, name);
+}
+
 void check_dense_cpu(const char* op, const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.defined(), "attn_di ", op, ": ", name, " is an undefined tensor");
   TORCH_CHECK(t.device().is_cpu(), "attn_di ", op, ": ", name, " must be on the CPU, got ",
@@ -1973,6 +1991,16 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
                      const at::Tensor& query_start_loc, at::Tensor& out, double scale,
                      int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& alibi_slopes,
                      const std::optional<at::Tensor>& sinks, bool causal) {
+  constexpr const char* op = "paged_attention";
+  check_no_math_bits(op, query, "query");
+  check_no_math_bits(op, key_cache, "key_cache");
+  check_no_math_bits(op, value_cache, "value_cache");
+  check_no_math_bits(op, block_table, "block_table");
+  check_no_math_bits(op, seq_lens, "seq_lens");
+  check_no_math_bits(op, query_start_loc, "query_start_loc");
+  check_no_math_bits(op, out, "out");
+  check_no_math_bits(op, alibi_slopes, "alibi_slopes");
+  check_no_math_bits(op, sinks, "sinks");
   attend(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, sliding_window,
          soft_cap, alibi_slopes, sinks, causal);
 }
@@ -2052,29 +2080,55 @@ void copy_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_c
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                     at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  constexpr const char* op = "write_kv_cache";
+  check_no_math_bits(op, key, "key");
+  check_no_math_bits(op, value, "value");
+  check_no_math_bits(op, key_cache, "key_cache");
+  check_no_math_bits(op, value_cache, "value_cache");
+  check_no_math_bits(op, slot_mapping, "slot_mapping");
   const Indices slots = check_write(key, value, key_cache, value_cache, slot_mapping);
   copy_rows(key, value, key_cache, value_cache, slots.data);
 }
 
-// write_kv_cache of the first `written` rows of key and value, then paged_attention into
-// `output` ([N, heads * head_size], viewed as [N, heads, head_size]): one call for a decoder
-// layer's step, every check of both ops (and that the caches share no memory with what the
-// attention reads, nor output with what the write reads) made once, before anything is
-// written (the write is attend's before_run), so a refused call changes nothing. query
-// [N, heads, head_size], key and value [N, kv_heads, head_size]: the layer's own head counts
-// and size.
+// write_kv_cache of the first `written` rows of key and value into kv_cache ([2,
+// num_blocks, block_size, H_kv, D]: kv_cache[0] the keys, kv_cache[1] the values, the planes
+// CPU_ATTN's checked path hands the two ops), then paged_attention into `output` ([N, heads *
+// head_size], viewed as [N, heads, head_size]): one call for a decoder layer's step, every
+// check of both ops (and that the caches share no memory with what the attention reads, nor
+// output with what the write reads) made once, before anything is written (the write is
+// attend's before_run), so a refused call changes nothing. query [N, heads, head_size], key
+// and value [N, kv_heads, head_size]: the layer's own head counts and size.
 void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                      at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                      int64_t written, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t written,
+                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                       const at::Tensor& query_start_loc, at::Tensor& output, double scale,
                       int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& alibi_slopes,
                       const std::optional<at::Tensor>& sinks, bool causal, int64_t heads, int64_t kv_heads,
                       int64_t head_size) {
   constexpr const char* op = "write_and_attend";
+  check_no_math_bits(op, query, "query");
+  check_no_math_bits(op, key, "key");
+  check_no_math_bits(op, value, "value");
+  check_no_math_bits(op, kv_cache, "kv_cache");
+  check_no_math_bits(op, slot_mapping, "slot_mapping");
+  check_no_math_bits(op, block_table, "block_table");
+  check_no_math_bits(op, seq_lens, "seq_lens");
+  check_no_math_bits(op, query_start_loc, "query_start_loc");
+  check_no_math_bits(op, output, "output");
+  check_no_math_bits(op, alibi_slopes, "alibi_slopes");
+  check_no_math_bits(op, sinks, "sinks");
   check_dense_cpu(op, query, "query");
   check_dense_cpu(op, key, "key");
   check_dense_cpu(op, value, "value");
   check_dense_cpu(op, output, "output");
+  check_dense_cpu(op, kv_cache, "kv_cache");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "attn_di write_and_attend: kv_cache must be [2, num_blocks, block_size, H_kv, D], got shape ",
+              kv_cache.sizes());
+  // The planes, and the step's rows, as views made below autograd (no view tracking: they
+  // never leave this call).
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  at::Tensor key_cache = kv_cache.select(0, 0), value_cache = kv_cache.select(0, 1);
   const int64_t n = query.dim() == 3 ? query.size(0) : -1;
   TORCH_CHECK(query.dim() == 3 && query.size(1) == heads && query.size(2) == head_size,
               "attn_di write_and_attend: query must be [N, ", heads, ", ", head_size, "], got shape ",
@@ -2160,8 +2214,8 @@ TORCH_LIBRARY(attn_di, m) {
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   m.def(
-      "write_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, Tensor slot_mapping, int written, Tensor block_table, Tensor seq_lens, "
+      "write_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+      "Tensor slot_mapping, int written, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor(c!) output, float scale, int sliding_window, float soft_cap, "
       "Tensor? alibi_slopes, Tensor? sinks, bool causal, int heads, int kv_heads, int head_size) -> ()");
   m.def("isa() -> str", &attn_di_kernel::isa);
@@ -2174,4 +2228,18 @@ TORCH_LIBRARY_IMPL(attn_di, CPU, m) {
   m.impl("paged_attention", &attn_di_kernel::paged_attention);
   m.impl("write_kv_cache", &attn_di_kernel::write_kv_cache);
   m.impl("write_and_attend", &attn_di_kernel::write_and_attend);
+}
+
+// The ops see math bits themselves (check_no_math_bits), not torch's resolved copies.
+TORCH_LIBRARY_IMPL(attn_di, Negative, m) {
+  for (const char* name : {"paged_attention", "write_kv_cache", "write_and_attend"})
+    m.impl(name, torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(attn_di, Conjugate, m) {
+  for (const char* name : {"paged_attention", "write_kv_cache", "write_and_attend"})
+    m.impl(name, torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(attn_di, ZeroTensor, m) {
+  for (const char* name : {"paged_attention", "write_kv_cache", "write_and_attend"})
+    m.impl(name, torch::CppFunction::makeFallthrough());
 }
