@@ -16,6 +16,7 @@
 //             ([block/2][D][2]): a tile's 16 rows are a row of the block apart
 //   tiled     the same pairs with every tile one contiguous KiB: keys [block/16][D/2][16][2],
 //             values [block/32][D/16][16][16][2]
+//   stream    the same bytes read by plain 512-bit loads, no tiles: the memory system's roof
 // The operands' values are zeros: only the loads, products and stores are timed.
 //
 // Build and run (Linux, a CPU with AMX-BF16; `layers` caches taken in turn, 1 keeps them in
@@ -237,6 +238,25 @@ void tiled(const char* cache, const int* table, int s, int lo, int hi) {
   }
 }
 
+// The roof: every byte `tiled` reads (a sequence's blocks, whole, in block-table order),
+// read by plain 512-bit loads, no tiles and no products.
+__m512i g_sink;
+
+void stream(const char* cache, const int* table, int s) {
+  __m512i acc = g_sink;
+  for (int j0 = 0; j0 < kContext; j0 += kBlock) {
+    const char* block = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes;
+    const int rows = std::min(kBlock, kContext - j0);
+    for (int g = 0; g < kKvHeads; ++g)
+      for (int half = 0; half < 2; ++half) {  // keys, then values
+        const char* page = block + g * kPageBytes + half * kBlock * kRowBytes;
+        for (int b = 0; b < rows * kRowBytes; b += 64)
+          acc = _mm512_add_epi32(acc, _mm512_load_si512(page + b));
+      }
+  }
+  g_sink = acc;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -282,7 +302,7 @@ int main(int argc, char** argv) {
     packed_config.colsb[t] = 64;
   }
   for (int t : {0, 1, 2, 3, 4, 5}) packed_config.rows[t] = kGroup;  // C tiles, Q and P A tiles
-  for (int order = 0; order < 4; ++order) {
+  for (int order = 0; order < 5; ++order) {
     if (order == 2) _tile_loadconfig(&packed_config);
     std::vector<double> sweeps;
     for (int sweep = 0; sweep < 8; ++sweep) {
@@ -295,6 +315,8 @@ int main(int argc, char** argv) {
             packed(caches[l], table.data(), s, 0, kContext);
           } else if (order == 3) {
             tiled(caches[l], table.data(), s, 0, kContext);
+          } else if (order == 4) {
+            stream(caches[l], table.data(), s);
           } else {
             for (int lo = 0; lo < kContext; lo += chunk)
               keys_then_values(caches[l], table.data(), s, lo, std::min(kContext, lo + chunk));
@@ -304,7 +326,7 @@ int main(int argc, char** argv) {
     }
     std::sort(sweeps.begin(), sweeps.end());
     const double us = sweeps[sweeps.size() / 2];
-    static const char* const kOrders[] = {"two-pass", "chunked", "packed", "tiled"};
+    static const char* const kOrders[] = {"two-pass", "chunked", "packed", "tiled", "stream"};
     std::printf("%-9s %8.1f us a layer call  %6.1f GB/s\n", kOrders[order], us,
                 bytes / us / 1e3);
   }
