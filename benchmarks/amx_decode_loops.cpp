@@ -130,32 +130,52 @@ void keys_then_values(const char* cache, const int* table, int s, int lo, int hi
   }
 }
 
-// The same products on a packed page interior: per block and KV head, the keys as K^T in
-// pairs of D ([D/2][block][2]: a B tile is 16 pairs of D x 16 keys) and the values in pairs
-// of keys ([block/2][D][2]: a B tile is 16 key pairs x 16 values of D). S = Q K^T then comes out one query row per tile row (G rows, 16 keys), and
-// P (bfloat16, row-major) is the A operand of P V as it is: G-row products, no transposes.
+// The same products on a packed page interior. S = Q K^T then comes out one query row per
+// tile row (G rows, 16 keys), and P (bfloat16, row-major) is the A operand of P V as it is:
+// G-row products, no transposes. Two interiors of the same page (per block and KV head):
+//   Packed::kRows  keys as K^T in pairs of D ([D/2][block][2]: a B tile is 16 pairs of D x 16
+//                  keys, rows a block's row of pairs apart), values in pairs of keys
+//                  ([block/2][D][2]: a B tile is 16 key pairs x 16 values of D)
+//   Packed::kTiles the same pairs with every tile operand one contiguous KiB: keys
+//                  [block/16][D/2][16][2], values [block/32][D/16][16][16][2]
 alignas(64) uint16_t g_query_rows[kHeads * kHeadSize];
 alignas(64) float g_row_scores[kHeads * (kContext + 32)];
 alignas(64) uint16_t g_probs[kHeads * (kContext + 32)];
 
-void packed(const char* cache, const int* table, int s, int lo, int hi) {
+enum class Packed { kRows, kTiles };
+
+void packed(Packed layout, const char* cache, const int* table, int s, int lo, int hi) {
   constexpr int kScoreStride = (kContext + 32) * 4;
+  const bool tiles = layout == Packed::kTiles;
+  // Keys: the B tile of 16 keys from j0 and 32 values of D from kc * 32, and its row stride.
+  const int key_stride = tiles ? 64 : kBlock * 4;
+  auto key_tile = [&](const char* block, int j0, int kc) {
+    return block + (tiles ? (j0 % kBlock) / 16 * (kHeadSize / 2 * 64) + kc * 1024
+                          : (j0 % kBlock) * 4 + static_cast<size_t>(kc) * 16 * kBlock * 4);
+  };
+  // Values: the B tile of 32 keys from j0 and 16 values of D from c * 16, and its row stride.
+  const int value_stride = tiles ? 64 : kHeadSize * 4;
+  auto value_tile = [&](const char* page, int j0, int c) {
+    return page + (tiles ? (j0 % kBlock) / 32 * (kHeadSize / 16 * 1024) + c * 1024
+                         : (j0 % kBlock) / 2 * kHeadSize * 4 + c * 64);
+  };
+  auto block_of = [&](int j0) {
+    return cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes;
+  };
   for (int j0 = lo; j0 < hi; j0 += 16) {
-    const char* page = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
-                       (j0 % kBlock) * 4;
+    const char* block = block_of(j0);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     for (int kc = 0; kc < kHeadSize / 32; ++kc) {
-      const size_t pairs = static_cast<size_t>(kc) * 16 * kBlock * 4;
       _tile_loadd(4, g_query_rows + 0 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
-      _tile_loadd(6, page + 0 * kPageBytes + pairs, kBlock * 4);
+      _tile_loadd(6, key_tile(block + 0 * kPageBytes, j0, kc), key_stride);
       _tile_dpbf16ps(0, 4, 6);
       _tile_loadd(5, g_query_rows + 1 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
-      _tile_loadd(7, page + 1 * kPageBytes + pairs, kBlock * 4);
+      _tile_loadd(7, key_tile(block + 1 * kPageBytes, j0, kc), key_stride);
       _tile_dpbf16ps(1, 5, 7);
       _tile_loadd(4, g_query_rows + 2 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
-      _tile_loadd(6, page + 2 * kPageBytes + pairs, kBlock * 4);
+      _tile_loadd(6, key_tile(block + 2 * kPageBytes, j0, kc), key_stride);
       _tile_dpbf16ps(2, 4, 6);
     }
     _tile_stored(0, g_row_scores + 0 * kGroup * (kContext + 32) + j0, kScoreStride);
@@ -168,16 +188,15 @@ void packed(const char* cache, const int* table, int s, int lo, int hi) {
     _tile_zero(2);
     _tile_zero(3);
     for (int j0 = lo; j0 < hi; j0 += 32) {
-      const char* page = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
-                         g * kPageBytes + kBlock * kRowBytes + (j0 % kBlock) / 2 * kHeadSize * 4;
+      const char* page = block_of(j0) + g * kPageBytes + kBlock * kRowBytes;
       _tile_loadd(5, g_probs + g * kGroup * (kContext + 32) + j0, (kContext + 32) * 2);
-      _tile_loadd(6, page, kHeadSize * 4);
+      _tile_loadd(6, value_tile(page, j0, 0), value_stride);
       _tile_dpbf16ps(0, 5, 6);
-      _tile_loadd(7, page + 64, kHeadSize * 4);
+      _tile_loadd(7, value_tile(page, j0, 1), value_stride);
       _tile_dpbf16ps(1, 5, 7);
-      _tile_loadd(6, page + 128, kHeadSize * 4);
+      _tile_loadd(6, value_tile(page, j0, 2), value_stride);
       _tile_dpbf16ps(2, 5, 6);
-      _tile_loadd(7, page + 192, kHeadSize * 4);
+      _tile_loadd(7, value_tile(page, j0, 3), value_stride);
       _tile_dpbf16ps(3, 5, 7);
     }
     _tile_stored(0, g_out, 256);
@@ -187,58 +206,7 @@ void packed(const char* cache, const int* table, int s, int lo, int hi) {
   }
 }
 
-// `packed` with every tile operand one contiguous KiB: per block and KV head, the keys as
-// [block/16][D/2][16][2] (a 16-key group's K^T pairs, 32 values of D a tile) and the values
-// as [block/32][D/16][16][16][2] (a 32-key group's pairs, 16 values of D a tile).
-void tiled(const char* cache, const int* table, int s, int lo, int hi) {
-  constexpr int kScoreStride = (kContext + 32) * 4;
-  for (int j0 = lo; j0 < hi; j0 += 16) {
-    const char* page = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
-                       (j0 % kBlock) / 16 * (kHeadSize / 2 * 64);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    for (int kc = 0; kc < kHeadSize / 32; ++kc) {
-      _tile_loadd(4, g_query_rows + 0 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
-      _tile_loadd(6, page + 0 * kPageBytes + kc * 1024, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, g_query_rows + 1 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
-      _tile_loadd(7, page + 1 * kPageBytes + kc * 1024, 64);
-      _tile_dpbf16ps(1, 5, 7);
-      _tile_loadd(4, g_query_rows + 2 * kGroup * kHeadSize + kc * 32, kHeadSize * 2);
-      _tile_loadd(6, page + 2 * kPageBytes + kc * 1024, 64);
-      _tile_dpbf16ps(2, 4, 6);
-    }
-    _tile_stored(0, g_row_scores + 0 * kGroup * (kContext + 32) + j0, kScoreStride);
-    _tile_stored(1, g_row_scores + 1 * kGroup * (kContext + 32) + j0, kScoreStride);
-    _tile_stored(2, g_row_scores + 2 * kGroup * (kContext + 32) + j0, kScoreStride);
-  }
-  for (int g = 0; g < kKvHeads; ++g) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int j0 = lo; j0 < hi; j0 += 32) {
-      const char* page = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
-                         g * kPageBytes + kBlock * kRowBytes + (j0 % kBlock) / 32 * (kHeadSize / 16 * 1024);
-      _tile_loadd(5, g_probs + g * kGroup * (kContext + 32) + j0, (kContext + 32) * 2);
-      _tile_loadd(6, page, 64);
-      _tile_dpbf16ps(0, 5, 6);
-      _tile_loadd(7, page + 1024, 64);
-      _tile_dpbf16ps(1, 5, 7);
-      _tile_loadd(6, page + 2048, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_loadd(7, page + 3072, 64);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, g_out, 256);
-    _tile_stored(1, g_out + 16, 256);
-    _tile_stored(2, g_out + 32, 256);
-    _tile_stored(3, g_out + 48, 256);
-  }
-}
-
-// The roof: every byte `tiled` reads (a sequence's blocks, whole, in block-table order),
+// The roof: every byte the passes read (a sequence's blocks, whole, in block-table order),
 // read by plain 512-bit loads, no tiles and no products.
 __m512i g_sink;
 
@@ -312,9 +280,9 @@ int main(int argc, char** argv) {
           if (order == 0) {
             keys_then_values(caches[l], table.data(), s, 0, kContext);
           } else if (order == 2) {
-            packed(caches[l], table.data(), s, 0, kContext);
+            packed(Packed::kRows, caches[l], table.data(), s, 0, kContext);
           } else if (order == 3) {
-            tiled(caches[l], table.data(), s, 0, kContext);
+            packed(Packed::kTiles, caches[l], table.data(), s, 0, kContext);
           } else if (order == 4) {
             stream(caches[l], table.data(), s);
           } else {

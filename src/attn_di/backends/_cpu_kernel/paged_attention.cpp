@@ -47,6 +47,7 @@
 
 #include <atomic>
 #include <functional>
+#include <initializer_list>
 #include <numeric>
 #include <queue>
 
@@ -1471,15 +1472,17 @@ struct Kernel {
 // caller's memory, and it cannot take an op that writes a resolved copy of an argument and
 // returns nothing (an internal assert, then a crash, in torch 2.13). CPU_ATTN resolves such
 // tensors before it calls an op (cpu_attn._resolved), or takes its checked path.
-void check_no_math_bits(const char* op, const at::Tensor& t, const char* name) {
-  TORCH_CHECK(!t.defined() || (!t.is_neg() && !t.is_conj() && !t._is_zerotensor()), "attn_di ", op, ": ",
-              name, " is a negative or conjugate view or a zero tensor; pass it resolved (resolve_neg(), ",
-              "resolve_conj(), clone())");
+using NamedTensor = std::pair<const at::Tensor*, const char*>;  // (tensor or null, its name)
+
+void check_no_math_bits(const char* op, std::initializer_list<NamedTensor> tensors) {
+  for (const auto& [t, name] : tensors)
+    TORCH_CHECK(t == nullptr || !t->defined() || (!t->is_neg() && !t->is_conj() && !t->_is_zerotensor()),
+                "attn_di ", op, ": ", name, " is a negative or conjugate view or a zero tensor; pass it ",
+                "resolved (resolve_neg(), resolve_conj(), clone())");
 }
 
-void check_no_math_bits(const char* op, const std::optional<at::Tensor>& t, const char* name) {
-  if (t.has_value()) check_no_math_bits(op, *t, name);
-}
+// An optional argument for check_no_math_bits.
+const at::Tensor* given(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
 
 void check_dense_cpu(const char* op, const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.defined(), "attn_di ", op, ": ", name, " is an undefined tensor");
@@ -1991,16 +1994,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
                      const at::Tensor& query_start_loc, at::Tensor& out, double scale,
                      int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& alibi_slopes,
                      const std::optional<at::Tensor>& sinks, bool causal) {
-  constexpr const char* op = "paged_attention";
-  check_no_math_bits(op, query, "query");
-  check_no_math_bits(op, key_cache, "key_cache");
-  check_no_math_bits(op, value_cache, "value_cache");
-  check_no_math_bits(op, block_table, "block_table");
-  check_no_math_bits(op, seq_lens, "seq_lens");
-  check_no_math_bits(op, query_start_loc, "query_start_loc");
-  check_no_math_bits(op, out, "out");
-  check_no_math_bits(op, alibi_slopes, "alibi_slopes");
-  check_no_math_bits(op, sinks, "sinks");
+  check_no_math_bits("paged_attention", {{&query, "query"}, {&key_cache, "key_cache"},
+                                          {&value_cache, "value_cache"}, {&block_table, "block_table"},
+                                          {&seq_lens, "seq_lens"}, {&query_start_loc, "query_start_loc"},
+                                          {&out, "out"}, {given(alibi_slopes), "alibi_slopes"},
+                                          {given(sinks), "sinks"}});
   attend(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, sliding_window,
          soft_cap, alibi_slopes, sinks, causal);
 }
@@ -2080,12 +2078,8 @@ void copy_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_c
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                     at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  constexpr const char* op = "write_kv_cache";
-  check_no_math_bits(op, key, "key");
-  check_no_math_bits(op, value, "value");
-  check_no_math_bits(op, key_cache, "key_cache");
-  check_no_math_bits(op, value_cache, "value_cache");
-  check_no_math_bits(op, slot_mapping, "slot_mapping");
+  check_no_math_bits("write_kv_cache", {{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"},
+                                         {&value_cache, "value_cache"}, {&slot_mapping, "slot_mapping"}});
   const Indices slots = check_write(key, value, key_cache, value_cache, slot_mapping);
   copy_rows(key, value, key_cache, value_cache, slots.data);
 }
@@ -2106,17 +2100,11 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
                       const std::optional<at::Tensor>& sinks, bool causal, int64_t heads, int64_t kv_heads,
                       int64_t head_size) {
   constexpr const char* op = "write_and_attend";
-  check_no_math_bits(op, query, "query");
-  check_no_math_bits(op, key, "key");
-  check_no_math_bits(op, value, "value");
-  check_no_math_bits(op, kv_cache, "kv_cache");
-  check_no_math_bits(op, slot_mapping, "slot_mapping");
-  check_no_math_bits(op, block_table, "block_table");
-  check_no_math_bits(op, seq_lens, "seq_lens");
-  check_no_math_bits(op, query_start_loc, "query_start_loc");
-  check_no_math_bits(op, output, "output");
-  check_no_math_bits(op, alibi_slopes, "alibi_slopes");
-  check_no_math_bits(op, sinks, "sinks");
+  check_no_math_bits(op, {{&query, "query"}, {&key, "key"}, {&value, "value"}, {&kv_cache, "kv_cache"},
+                         {&slot_mapping, "slot_mapping"}, {&block_table, "block_table"},
+                         {&seq_lens, "seq_lens"}, {&query_start_loc, "query_start_loc"},
+                         {&output, "output"}, {given(alibi_slopes), "alibi_slopes"},
+                         {given(sinks), "sinks"}});
   check_dense_cpu(op, query, "query");
   check_dense_cpu(op, key, "key");
   check_dense_cpu(op, value, "value");
