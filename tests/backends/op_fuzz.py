@@ -249,11 +249,15 @@ def zero_axis(call: Call, rng: random.Random) -> None:
 
 
 def math_bit(call: Call, rng: random.Random) -> None:
-    """A tensor with a math bit: a negative view of its values (float32: the imaginary part of
-    a conjugated complex64 tensor), or a zero tensor (no memory)."""
+    """A tensor with a math bit: a negative view of its own memory (an op that wrote through it
+    would touch the guarded buffer), one of its values (float32: the imaginary part of a
+    conjugated complex64 tensor), or a zero tensor (no memory)."""
     i = rng.choice(_tensor_positions(call))
     tensor = call.args[i]
-    if rng.random() < 0.5 and tensor.dtype == torch.float32 and tensor.device.type == "cpu":
+    kind = rng.choice(["own memory", "complex", "zero"])
+    if kind == "own memory" and tensor.is_floating_point():
+        call.args[i] = torch._neg_view(tensor)  # the guarded memory itself, negated
+    elif kind == "complex" and tensor.dtype == torch.float32 and tensor.device.type == "cpu":
         call.args[i] = torch.complex(torch.zeros_like(tensor), -tensor).conj().imag
     else:
         call.args[i] = torch._efficientzerotensor(tensor.shape, dtype=tensor.dtype)

@@ -38,6 +38,13 @@ def _to_meta(name: str, batch: Batch) -> None:
     setattr(batch.metadata, name, getattr(batch.metadata, name).to("meta"))
 
 
+def _to_zero_tensor(name: str, batch: Batch) -> None:
+    """Replace one metadata tensor (or the cache) by a zero tensor of its shape and dtype."""
+    owner = batch if name == "kv_cache" else batch.metadata
+    tensor = getattr(owner, name)
+    setattr(owner, name, torch._efficientzerotensor(tensor.shape, dtype=tensor.dtype))
+
+
 def test_mismatched_key_heads(
     backend_cls: type[AttentionBackend], opts: Options, batch: Batch
 ) -> None:
@@ -110,6 +117,25 @@ def test_block_number_outside_cache(
 
     with pytest.raises(InvalidInputError, match=r"block_table: holds block numbers outside"):
         _forward(backend_cls, opts, batch)
+
+
+@pytest.mark.parametrize("query_lens", [[3, 1], [1, 1]], ids=["mixed", "pure-decode"])
+def test_a_zero_tensor_query_computes_as_its_zeros(
+    backend_cls: type[AttentionBackend], opts: Options, query_lens: list[int]
+) -> None:
+    """A zero tensor (``torch._efficientzerotensor``: no memory) as the query gives what real
+    zeros give, on every path (torch 2.13's CPU flash op alone, CPU_ATTN's pure-torch decode,
+    read such a query as uninitialised memory: a wrong result, silently)."""
+    batch = make_batch(opts, query_lens, [3, 18], 16, torch.float32)
+    zeros = dataclasses.replace(batch, query=torch.zeros(batch.query.shape))
+    lazy = dataclasses.replace(batch, query=torch._efficientzerotensor(batch.query.shape))
+    zeros.kv_cache, lazy.kv_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+
+    expected = _forward(backend_cls, opts, zeros)
+    got = _forward(backend_cls, opts, lazy)
+
+    real = batch.metadata.num_actual_tokens
+    assert torch.equal(got[:real], expected[:real])
 
 
 @pytest.mark.parametrize(
@@ -426,6 +452,10 @@ def _as_list(tensor: torch.Tensor) -> object:
         ("kv_cache", lambda b: b.kv_cache.requires_grad_()),
         *(
             (name, functools.partial(_to_meta, name))
+            for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+        ),
+        *(
+            (name, functools.partial(_to_zero_tensor, name))
             for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
         ),
     ],

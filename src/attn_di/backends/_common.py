@@ -39,6 +39,7 @@ __all__ = [
     "alibi_bias",
     "cache_rows",
     "check_inputs",
+    "materialized",
     "may_share_memory",
     "metadata_checked",
     "new_output",
@@ -461,6 +462,12 @@ def _check_metadata_types(metadata: object) -> None:
                 f"dtype {tensor.dtype} is not an integer dtype",
                 hint=f"{name} is a {layout} integer tensor (torch.int32 or torch.int64)",
             )
+        if tensor._is_zerotensor():  # no memory: its values cannot even be shown in an error
+            raise InvalidInputError(
+                name,
+                "is a zero tensor (torch._efficientzerotensor), which holds no values",
+                hint=f"{name} is a {layout} integer tensor; pass a real one, e.g. torch.zeros(...)",
+            )
         if tensor.dim() != rank:
             raise InvalidInputError(
                 name,
@@ -596,6 +603,16 @@ def _check_longest(metadata: AttentionMetadata, name: str, lengths: torch.Tensor
             hint=f"set {name} from the lengths (AttentionMetadataBuilder does), or build new "
             "metadata rather than editing one",
         )
+
+
+def materialized(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or where it is a zero tensor (``torch._efficientzerotensor``: no
+    memory) its zeros as a real tensor. torch 2.13's CPU flash attention op reads a zero-tensor
+    query as uninitialised memory (a wrong result, silently), and attn_di's compiled ops refuse
+    one: the checked path hands every op real tensors."""
+    if tensor._is_zerotensor():
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return tensor
 
 
 def new_output(query: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:

@@ -18,6 +18,7 @@ from attn_di.backends._common import (
     SeqGroup,
     cache_rows,
     check_inputs,
+    materialized,
     new_output,
     uses_cache,
     write_kv_cache,
@@ -56,6 +57,7 @@ class GroupedAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         """Write keys/values into ``kv_cache``, then attend; see :meth:`AttentionImpl.forward`."""
         check_inputs(self, query, key, value, kv_cache, attn_metadata, output)
+        query, key, value = materialized(query), materialized(key), materialized(value)
         result = new_output(query, output)
         actual = attn_metadata.num_actual_tokens
         cache: CacheRows | None = None

@@ -237,16 +237,18 @@ def write_kv_cache_op() -> Any:
 def write_and_attend_op() -> Any:
     """``torch.ops.attn_di.write_and_attend``, or None when CPU_ATTN uses pure torch.
 
-    ``op(query, key, value, key_cache, value_cache, slot_mapping, written, block_table,
-    seq_lens, query_start_loc, output, scale, sliding_window, soft_cap, alibi_slopes, sinks,
-    causal, heads, kv_heads, head_size)``: a decoder layer's step in one call, the
+    ``op(query, key, value, kv_cache, slot_mapping, written, block_table, seq_lens,
+    query_start_loc, output, scale, sliding_window, soft_cap, alibi_slopes, sinks, causal,
+    heads, kv_heads, head_size)``: a decoder layer's step in one call, the
     :func:`write_kv_cache_op` of the first ``written`` rows of ``key`` and ``value``
-    (``[N, kv_heads, head_size]``) and then the :func:`paged_attention_op` of ``query``
-    (``[N, heads, head_size]``) into ``output`` (``[N, heads * head_size]``, last axis
-    contiguous). Every check of both ops, and that the caches share no memory with what the
-    attention reads nor ``output`` with what the write reads, comes before the first write:
-    a malformed argument raises ``RuntimeError`` naming it, and nothing is written. It records
-    no autograd history.
+    (``[N, kv_heads, head_size]``) into ``kv_cache`` (``[2, num_blocks, block_size, kv_heads,
+    head_size]``; its errors call ``kv_cache[0]`` and ``kv_cache[1]`` ``key_cache`` and
+    ``value_cache``) and then the :func:`paged_attention_op` of ``query`` (``[N, heads,
+    head_size]``) into ``output`` (``[N, heads * head_size]``, last axis contiguous). Every
+    check of both ops, and that the caches share no memory with what the attention reads nor
+    ``output`` with what the write reads, comes before the first write: a malformed argument
+    (a tensor with a math bit included: a negative or conjugate view, a zero tensor) raises
+    ``RuntimeError`` naming it, and nothing is written. It records no autograd history.
     """
     if _PURE_TORCH:
         return None
