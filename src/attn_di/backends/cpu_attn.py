@@ -258,11 +258,10 @@ class CPUAttentionImpl(GroupedAttentionImpl):
 
         ``kernel`` is ``torch.ops.attn_di.paged_attention`` and ``caches`` its
         ``(key_cache, value_cache)``, ``[num_blocks, block_size, H_kv, D]`` planes. It reads
-        only the slots of
-        positions each query may see, so garbage elsewhere in the cache never reaches
-        ``rows``. The fixed layer options are converted once per impl; the sinks are passed
-        as they are on every call (the kernel reads them as float32), so in-place updates
-        (``load_state_dict``, ``sinks.fill_``) reach it.
+        only the slots of positions each query may see, so garbage elsewhere in the cache
+        never reaches ``rows``. The fixed layer options are converted once per impl; the
+        sinks are passed as they are on every call (the kernel reads them as float32), so
+        in-place updates (``load_state_dict``, ``sinks.fill_``) reach it.
 
         With ``write`` (``(key, value)``, ``[N, H_kv, D]``), ``kernel`` is
         ``torch.ops.attn_di.write_and_attend``, ``caches`` ``(kv_cache,)`` (the layer's
