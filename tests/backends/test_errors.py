@@ -456,7 +456,7 @@ def _as_list(tensor: torch.Tensor) -> object:
         ),
         *(
             (name, functools.partial(_to_zero_tensor, name))
-            for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+            for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "kv_cache")
         ),
     ],
     ids=lambda x: x if isinstance(x, str) else "",

@@ -35,6 +35,7 @@ from attn_di.backends import _cpu_kernel
 from attn_di.backends._common import (
     SeqGroup,
     alibi_bias,
+    materialized,
     metadata_checked,
     uses_cache,
 )
@@ -300,7 +301,9 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         # The kernel writes rows whose last dimension is contiguous; any other ``output=``
         # (or a negative view) gets a contiguous copy (padding rows kept as they were), copied
         # back after. The ops refuse math bits: the checked path hands them resolved tensors.
-        target = rows.resolve_neg().contiguous() if rows.stride(-1) != 1 else rows.resolve_neg()
+        target = rows.resolve_neg()
+        if target.stride(-1) != 1:
+            target = target.contiguous()
         kernel(
             _resolved(query),
             *map(_resolved, caches),
@@ -599,12 +602,8 @@ def _has_math_bit(tensor: torch.Tensor) -> bool:
 
 def _resolved(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s values without a math bit: itself where it has none (no copy), else a
-    copy (a zero tensor's zeros, a negative or conjugate view's values)."""
-    if not _has_math_bit(tensor):
-        return tensor
-    if tensor._is_zerotensor():
-        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-    return tensor.resolve_neg().resolve_conj()
+    copy (a zero tensor's zeros, :func:`materialized`; a negative or conjugate view's values)."""
+    return materialized(tensor).resolve_neg().resolve_conj()
 
 
 def _wants_grad(*tensors: torch.Tensor) -> bool:

@@ -1464,7 +1464,6 @@ struct Kernel {
 
 // -- argument checks (before any memory is touched) ---------------------------------------
 
-// A dense CPU tensor: what the ops read through raw pointers.
 // A tensor as its caller holds it: the ops take the Negative, Conjugate and ZeroTensor
 // dispatch keys as fallthroughs (at the end of this file), so a negative or conjugate view, or
 // a zero tensor, reaches them unresolved. They refuse it (a RuntimeError): torch's fallback
@@ -1484,6 +1483,7 @@ void check_no_math_bits(const char* op, std::initializer_list<NamedTensor> tenso
 // An optional argument for check_no_math_bits.
 const at::Tensor* given(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
 
+// A dense CPU tensor: what the ops read through raw pointers.
 void check_dense_cpu(const char* op, const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.defined(), "attn_di ", op, ": ", name, " is an undefined tensor");
   TORCH_CHECK(t.device().is_cpu(), "attn_di ", op, ": ", name, " must be on the CPU, got ",
@@ -2219,15 +2219,14 @@ TORCH_LIBRARY_IMPL(attn_di, CPU, m) {
 }
 
 // The ops see math bits themselves (check_no_math_bits), not torch's resolved copies.
-TORCH_LIBRARY_IMPL(attn_di, Negative, m) {
-  for (const char* name : {"paged_attention", "write_kv_cache", "write_and_attend"})
-    m.impl(name, torch::CppFunction::makeFallthrough());
+namespace {
+constexpr const char* kTensorOps[] = {"paged_attention", "write_kv_cache", "write_and_attend"};
+
+void fall_through(torch::Library& m) {
+  for (const char* name : kTensorOps) m.impl(name, torch::CppFunction::makeFallthrough());
 }
-TORCH_LIBRARY_IMPL(attn_di, Conjugate, m) {
-  for (const char* name : {"paged_attention", "write_kv_cache", "write_and_attend"})
-    m.impl(name, torch::CppFunction::makeFallthrough());
-}
-TORCH_LIBRARY_IMPL(attn_di, ZeroTensor, m) {
-  for (const char* name : {"paged_attention", "write_kv_cache", "write_and_attend"})
-    m.impl(name, torch::CppFunction::makeFallthrough());
-}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attn_di, Negative, m) { fall_through(m); }
+TORCH_LIBRARY_IMPL(attn_di, Conjugate, m) { fall_through(m); }
+TORCH_LIBRARY_IMPL(attn_di, ZeroTensor, m) { fall_through(m); }
