@@ -132,6 +132,9 @@ CASES = {
         (Options(8, 2, 128), [1, 1, 1], [300, 17, 1], 16, "head-major"),
         {"tiles", "vector"},
     ),
+    # 2 query heads per KV head (the C tiles two columns wide); the last 16 keys of both
+    # sequences partial
+    "tiles-g2": ((Options(4, 2, 64), [1, 1], [77, 40], 16, "head-major"), {"tiles"}),
     # 8 query heads per KV head: both parities of P in one A tile of 16 rows; D = 160 takes a
     # pass of 128 values of D and one of 32
     "tiles-g8-d160": ((Options(8, 1, 160), [1, 1], [100, 47], 16, "declared"), {"tiles"}),
