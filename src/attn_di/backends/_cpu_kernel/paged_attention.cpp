@@ -222,6 +222,44 @@ inline void reduce_n(const fVec* a, float* sums) {
   }
 }
 
+// out[u * out_stride + r] = scale x the horizontal sum of a[u * NR + r] (U tokens, NR rows):
+// the score steps' ending. With AVX-512 and U, NR <= 4, one shuffle tree for all of them puts
+// token u's NR sums in 128-bit lane u (two unpack levels sum within lanes, two lane shuffles
+// across them: 45 instructions for up to 16 sums, where reduce4 takes 20 per 4 and the sums
+// then go out one scalar multiply and store each), then one multiply and a masked store of
+// NR floats per token. Else reduce_n.
+template <int NR, int U>
+inline void store_sums(const fVec* a, float scale, float* out, int64_t out_stride) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (NR <= 4 && U <= 4) {
+    const __m512 zero = _mm512_setzero_ps();
+    auto at = [&](int u, int r) -> __m512 { return u < U && r < NR ? __m512(a[u * NR + r]) : zero; };
+    __m512 v[4];  // v[u], lane L: the sums over lane L of token u's rows 0..3
+    for (int u = 0; u < 4; ++u) {
+      const __m512 a0 = at(u, 0), a1 = at(u, 1), a2 = at(u, 2), a3 = at(u, 3);
+      const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+      const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+      const __m512d p0 = _mm512_castps_pd(t0), p1 = _mm512_castps_pd(t1);
+      v[u] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p0, p1)), _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p1)));
+    }
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xdd));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x88), _mm512_shuffle_f32x4(v[2], v[3], 0xdd));
+    const __m512 sums = _mm512_mul_ps(
+        _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd)), _mm512_set1_ps(scale));
+    constexpr __mmask8 kRows = static_cast<__mmask8>((1u << NR) - 1);
+    _mm_mask_storeu_ps(out, kRows, _mm512_castps512_ps128(sums));
+    if constexpr (U > 1) _mm_mask_storeu_ps(out + out_stride, kRows, _mm512_extractf32x4_ps(sums, 1));
+    if constexpr (U > 2) _mm_mask_storeu_ps(out + 2 * out_stride, kRows, _mm512_extractf32x4_ps(sums, 2));
+    if constexpr (U > 3) _mm_mask_storeu_ps(out + 3 * out_stride, kRows, _mm512_extractf32x4_ps(sums, 3));
+    return;
+  }
+#endif
+  float sums[U * NR];
+  reduce_n<U * NR>(a, sums);
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < NR; ++r) out[u * out_stride + r] = sums[u * NR + r] * scale;
+}
+
 // Tokens a score tile takes per step for NR query rows: 4 where the 4 x NR accumulators fit in
 // 12 registers, else 2. Each step ends in ceil(U x NR / 4) reduce4 trees: one horizontal sum
 // per (token, row) pair costs ~3.5 instructions instead of ~9 (SmolLM2's 3 rows of D = 64:
@@ -254,10 +292,7 @@ inline void score_step(const T* const* k, const float* q, int64_t size, float* o
       for (int u = 0; u < U; ++u) a[u * NR + r] = at::vec::fmadd(qv, x[u], a[u * NR + r]);
     }
   }
-  float sums[U * NR];
-  reduce_n<U * NR>(a, sums);
-  for (int u = 0; u < U; ++u)
-    for (int r = 0; r < NR; ++r) out[u * out_stride + r] = sums[u * NR + r];
+  store_sums<NR, U>(a, 1.f, out, out_stride);
 }
 
 // Scores of NR query rows (q, stride D) against the keys of `nt` token rows (pointers already
@@ -307,10 +342,7 @@ inline void score_step_bf16(const c10::BFloat16* const* k, const c10::BFloat16* 
       for (int u = 0; u < U; ++u) a[u * NR + r] = _mm512_dpbf16_ps(a[u * NR + r], qv, x[u]);
     }
   }
-  float sums[U * NR];
-  reduce_n<U * NR>(a, sums);
-  for (int u = 0; u < U; ++u)
-    for (int r = 0; r < NR; ++r) out[u * out_stride + r] = sums[u * NR + r] * scale;
+  store_sums<NR, U>(a, scale, out, out_stride);
 }
 
 // score_step_bf16 over the keys of `nt` token rows, kScoreUnroll<NR> tokens a step, then one
