@@ -17,12 +17,20 @@
 //   tiled     the same pairs with every tile one contiguous KiB: keys [block/16][D/2][16][2],
 //             values [block/32][D/16][16][16][2]
 //   stream    the same bytes read by plain 512-bit loads, no tiles: the memory system's roof
+// Then the question whether the kernel's vector work between its two passes (the softmax and
+// P's transposes) could hide under their loads. A stand-in for that work (exponentials over the
+// sequence's score block, `reps` sweeps: reps 3 takes about as long as the kernel's softmax and
+// transposes of a call), alone and in three places:
+//   work            the stand-in alone
+//   two-pass+work   scores, the work, P V, per sequence (the kernel's order)
+//   interleaved     the work spread over the score pass's 16-key groups, a slice after each
+//   interleaved+pf  the same, each group also prefetching the key rows of the group two ahead
 // The operands' values are zeros: only the loads, products and stores are timed.
 //
 // Build and run (Linux, a CPU with AMX-BF16; `layers` caches taken in turn, 1 keeps them in
 // the L2/L3, 30 and more spill past the L3 on most machines):
 //   c++ -O2 -mamx-tile -mamx-bf16 -mavx512f -o /tmp/amx_decode_loops benchmarks/amx_decode_loops.cpp
-//   /tmp/amx_decode_loops [layers=30] [chunk=64]
+//   /tmp/amx_decode_loops [layers=30] [chunk=64] [reps=3]
 // Prints the CPU model, then per order the median of 7 sweeps: microseconds per layer call
 // (the TSC, calibrated against CLOCK_MONOTONIC) and GB/s of K and V read. docs/benchmarks.md
 // has the numbers and what they mean.
@@ -225,15 +233,66 @@ void stream(const char* cache, const int* table, int s) {
   g_sink = acc;
 }
 
+// The stand-in for the vector work between the passes: exponentials (range reduction, a
+// degree-5 polynomial, VSCALEFPS: the kernel's softmax_exp) over floats [lo, hi) of a score
+// block, `reps` times, each vector independent of the others (as the softmax's are).
+constexpr int kWorkFloats = (kContext + 15) / 16 * 16 * kHeads;
+alignas(64) float g_work[kWorkFloats];
+int g_reps = 3;
+
+void vector_work(int lo, int hi) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2 = _mm512_set1_ps(0.693147181f);
+  for (int r = 0; r < g_reps; ++r)
+    for (int i = lo; i < hi; i += 16) {
+      const __m512 x = _mm512_load_ps(g_work + i);  // <= 0: zeros, then exp(x) - 1
+      const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, log2e), _mm512_set1_ps(-125.f));
+      const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), ln2);
+      __m512 p = _mm512_set1_ps(1.f / 120.f);
+      p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+      p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+      p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+      p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+      p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+      _mm512_store_ps(g_work + i, _mm512_sub_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.f)));
+    }
+}
+
+// The two-pass order with the vector work placed as `place` says: 0 between the passes, 1
+// spread over the score pass (a slice after each 16-key group), 2 the same with each group
+// prefetching the key rows (all KV heads) of the group two ahead into L1.
+void keys_work_values(const char* cache, const int* table, int s, int place) {
+  constexpr int kGroups = (kContext + 15) / 16;
+  constexpr int kSlice = (kWorkFloats / kGroups + 15) / 16 * 16;
+  for (int q = 0; q < kGroups; ++q) {
+    if (place == 2 && q + 2 < kGroups) {
+      const int j0 = (q + 2) * 16;
+      const char* rows = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
+                         (j0 % kBlock) * kRowBytes;
+      for (int g = 0; g < kKvHeads; ++g)
+        for (int b = 0; b < 16 * kRowBytes; b += 64) _mm_prefetch(rows + g * kPageBytes + b, _MM_HINT_T0);
+    }
+    score_group(cache, table, s, q * 16);
+    if (place > 0) vector_work(std::min(kWorkFloats, q * kSlice), std::min(kWorkFloats, (q + 1) * kSlice));
+  }
+  if (place == 0) vector_work(0, kWorkFloats);
+  for (int g = 0; g < kKvHeads; ++g) {
+    _tile_zero(3);
+    for (int j0 = 0; j0 < kContext; j0 += 16) value_group(cache, table, s, g, j0);
+    _tile_stored(3, g_out, 64);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int layers = argc > 1 ? std::atoi(argv[1]) : 30;
   const int chunk = argc > 2 ? std::atoi(argv[2]) : 64;
+  g_reps = argc > 3 ? std::atoi(argv[3]) : 3;
   std::printf("CPU: %s; AMX-BF16 tiles; %d layers, chunks of %d keys\n", cpu_model().c_str(), layers,
               chunk);
-  if (layers < 1 || chunk < 16 || chunk % 16 != 0) {
-    std::fprintf(stderr, "layers must be >= 1 and chunk a multiple of 16 keys\n");
+  if (layers < 1 || chunk < 16 || chunk % 16 != 0 || g_reps < 0) {
+    std::fprintf(stderr, "layers must be >= 1, chunk a multiple of 16 keys and reps >= 0\n");
     return 2;
   }
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureTileData = 18;
@@ -270,8 +329,9 @@ int main(int argc, char** argv) {
     packed_config.colsb[t] = 64;
   }
   for (int t : {0, 1, 2, 3, 4, 5}) packed_config.rows[t] = kGroup;  // C tiles, Q and P A tiles
-  for (int order = 0; order < 5; ++order) {
+  for (int order = 0; order < 9; ++order) {
     if (order == 2) _tile_loadconfig(&packed_config);
+    if (order == 5) _tile_loadconfig(&config);
     std::vector<double> sweeps;
     for (int sweep = 0; sweep < 8; ++sweep) {
       const uint64_t start = __rdtsc();
@@ -285,6 +345,10 @@ int main(int argc, char** argv) {
             packed(Packed::kTiles, caches[l], table.data(), s, 0, kContext);
           } else if (order == 4) {
             stream(caches[l], table.data(), s);
+          } else if (order == 5) {
+            vector_work(0, kWorkFloats);
+          } else if (order >= 6) {
+            keys_work_values(caches[l], table.data(), s, order - 6);
           } else {
             for (int lo = 0; lo < kContext; lo += chunk)
               keys_then_values(caches[l], table.data(), s, lo, std::min(kContext, lo + chunk));
@@ -294,8 +358,9 @@ int main(int argc, char** argv) {
     }
     std::sort(sweeps.begin(), sweeps.end());
     const double us = sweeps[sweeps.size() / 2];
-    static const char* const kOrders[] = {"two-pass", "chunked", "packed", "tiled", "stream"};
-    std::printf("%-9s %8.1f us a layer call  %6.1f GB/s\n", kOrders[order], us,
+    static const char* const kOrders[] = {"two-pass", "chunked", "packed", "tiled", "stream",
+                                          "work", "two-pass+work", "interleaved", "interleaved+pf"};
+    std::printf("%-14s %8.1f us a layer call  %6.1f GB/s\n", kOrders[order], us,
                 bytes / us / 1e3);
   }
   _tile_release();
