@@ -261,9 +261,10 @@ inline void store_sums(const fVec* a, float scale, float* out, int64_t out_strid
 }
 
 // Tokens a score tile takes per step for NR query rows: 4 where the 4 x NR accumulators fit in
-// 12 registers, else 2. Each step ends in ceil(U x NR / 4) reduce4 trees: one horizontal sum
-// per (token, row) pair costs ~3.5 instructions instead of ~9 (SmolLM2's 3 rows of D = 64:
-// the sums were most of a decode's score time, measured with perf).
+// 12 registers, else 2. Each step ends in store_sums: the horizontal sums of all its (token,
+// row) pairs in one tree (with 256-bit vectors, ceil(U x NR / 4) reduce4 trees), where one
+// reduce_sum per pair took ~9 instructions (SmolLM2's 3 rows of D = 64: the sums were most of
+// a decode's score time, measured with perf).
 template <int NR>
 constexpr int kScoreUnroll = NR * 4 <= 12 ? 4 : 2;
 
