@@ -316,12 +316,12 @@ def metadata_checked(
     that cannot be known (see :func:`_metadata_stamp`).
 
     ``_same_stamp(_remembered(metadata), _metadata_stamp(...))``, compared field by field as
-    it is read, without building the stamp, in one function: the later layers of a model step
-    ask this once per call, where each Python call costs (docs/benchmarks.md)."""
-    entry = _STAMPS.get(id(metadata))
-    if entry is None or entry[0]() is not metadata:
+    it is read, without building the stamp: the later layers of a model step ask this once
+    per call, where each Python call costs (docs/benchmarks.md)."""
+    stored = _remembered(metadata)
+    if stored is None:
         return False
-    tensors, facts = entry[1]
+    tensors, facts = stored
     qsl, seq_lens, table, slots = tensors
     try:
         if (
