@@ -94,10 +94,14 @@ double ticks_per_us() {
   return static_cast<double>(__rdtsc() - c0) / ((seconds() - t0) * 1e6);
 }
 
+// The first byte of the block that holds position j0 of sequence s.
+inline const char* block_of(const char* cache, const int* table, int s, int j0) {
+  return cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes;
+}
+
 // Scores of keys [j0, j0 + 16) of sequence s for every KV head (C tiles 0-2, G columns each).
 inline void score_group(const char* cache, const int* table, int s, int j0) {
-  const char* rows = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
-                     (j0 % kBlock) * kRowBytes;
+  const char* rows = block_of(cache, table, s, j0) + (j0 % kBlock) * kRowBytes;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -120,7 +124,7 @@ inline void score_group(const char* cache, const int* table, int s, int j0) {
 
 // P V of keys [j0, j0 + 16) of sequence s for KV head g into C tile 3 (2G rows x 16 columns).
 inline void value_group(const char* cache, const int* table, int s, int g, int j0) {
-  const char* rows = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
+  const char* rows = block_of(cache, table, s, j0) +
                      g * kPageBytes + kBlock * kRowBytes + (j0 % kBlock) * kRowBytes;
   _tile_loadd(7, g_prob_words, 64);
   _tile_loadd(4, rows, kRowBytes);
@@ -129,13 +133,18 @@ inline void value_group(const char* cache, const int* table, int s, int g, int j
   _tile_dpbf16ps(3, 7, 6);
 }
 
-void keys_then_values(const char* cache, const int* table, int s, int lo, int hi) {
-  for (int j0 = lo; j0 < hi; j0 += 16) score_group(cache, table, s, j0);
+// P V of keys [lo, hi) of sequence s, KV head by KV head.
+void values(const char* cache, const int* table, int s, int lo, int hi) {
   for (int g = 0; g < kKvHeads; ++g) {
     _tile_zero(3);
     for (int j0 = lo; j0 < hi; j0 += 16) value_group(cache, table, s, g, j0);
     _tile_stored(3, g_out, 64);
   }
+}
+
+void keys_then_values(const char* cache, const int* table, int s, int lo, int hi) {
+  for (int j0 = lo; j0 < hi; j0 += 16) score_group(cache, table, s, j0);
+  values(cache, table, s, lo, hi);
 }
 
 // The same products on a packed page interior. S = Q K^T then comes out one query row per
@@ -167,11 +176,8 @@ void packed(Packed layout, const char* cache, const int* table, int s, int lo, i
     return page + (tiles ? (j0 % kBlock) / 32 * (kHeadSize / 16 * 1024) + c * 1024
                          : (j0 % kBlock) / 2 * kHeadSize * 4 + c * 64);
   };
-  auto block_of = [&](int j0) {
-    return cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes;
-  };
   for (int j0 = lo; j0 < hi; j0 += 16) {
-    const char* block = block_of(j0);
+    const char* block = block_of(cache, table, s, j0);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -196,7 +202,7 @@ void packed(Packed layout, const char* cache, const int* table, int s, int lo, i
     _tile_zero(2);
     _tile_zero(3);
     for (int j0 = lo; j0 < hi; j0 += 32) {
-      const char* page = block_of(j0) + g * kPageBytes + kBlock * kRowBytes;
+      const char* page = block_of(cache, table, s, j0) + g * kPageBytes + kBlock * kRowBytes;
       _tile_loadd(5, g_probs + g * kGroup * (kContext + 32) + j0, (kContext + 32) * 2);
       _tile_loadd(6, value_tile(page, j0, 0), value_stride);
       _tile_dpbf16ps(0, 5, 6);
@@ -221,7 +227,7 @@ __m512i g_sink;
 void stream(const char* cache, const int* table, int s) {
   __m512i acc = g_sink;
   for (int j0 = 0; j0 < kContext; j0 += kBlock) {
-    const char* block = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes;
+    const char* block = block_of(cache, table, s, j0);
     const int rows = std::min(kBlock, kContext - j0);
     for (int g = 0; g < kKvHeads; ++g)
       for (int half = 0; half < 2; ++half) {  // keys, then values
@@ -265,8 +271,7 @@ void keys_work_values(const char* cache, const int* table, int s, int place) {
   for (int q = 0; q < kGroups; ++q) {
     if (place == 2 && q + 2 < kGroups) {
       const int j0 = (q + 2) * 16;
-      const char* rows = cache + static_cast<size_t>(table[s * kBlocksPerSeq + j0 / kBlock]) * kBlockBytes +
-                         (j0 % kBlock) * kRowBytes;
+      const char* rows = block_of(cache, table, s, j0) + (j0 % kBlock) * kRowBytes;
       for (int g = 0; g < kKvHeads; ++g)
         for (int b = 0; b < 16 * kRowBytes; b += 64) _mm_prefetch(rows + g * kPageBytes + b, _MM_HINT_T0);
     }
@@ -274,11 +279,7 @@ void keys_work_values(const char* cache, const int* table, int s, int place) {
     if (place > 0) vector_work(std::min(kWorkFloats, q * kSlice), std::min(kWorkFloats, (q + 1) * kSlice));
   }
   if (place == 0) vector_work(0, kWorkFloats);
-  for (int g = 0; g < kKvHeads; ++g) {
-    _tile_zero(3);
-    for (int j0 = 0; j0 < kContext; j0 += 16) value_group(cache, table, s, g, j0);
-    _tile_stored(3, g_out, 64);
-  }
+  values(cache, table, s, 0, kContext);
 }
 
 }  // namespace
