@@ -260,13 +260,22 @@ inline void store_sums(const fVec* a, float scale, float* out, int64_t out_strid
     for (int r = 0; r < NR; ++r) out[u * out_stride + r] = sums[u * NR + r] * scale;
 }
 
-// Tokens a score tile takes per step for NR query rows: 4 where the 4 x NR accumulators fit in
-// 12 registers, else 2. Each step ends in store_sums: the horizontal sums of all its (token,
+// Tokens a score tile takes per step for NR query rows: 4 where the 4 x NR accumulators leave
+// room for the step's key and query vectors (all NR <= 4 with AVX-512's 32 registers, NR <= 3
+// with AVX2's 16), else 2. Each step ends in store_sums: the horizontal sums of all its (token,
 // row) pairs in one tree (with 256-bit vectors, ceil(U x NR / 4) reduce4 trees), where one
 // reduce_sum per pair took ~9 instructions (SmolLM2's 3 rows of D = 64: the sums were most of
-// a decode's score time, measured with perf).
+// a decode's score time, measured with perf). Four rows (G = 4: 32/8 heads) took 2 tokens a
+// step on AVX-512 too until 2026-12-07, half a tree each; 4 a step cut the score pass of one
+// sequence of 256 keys (32/8 heads of 128, one thread, TSC ticks a sequence, two runs each)
+// in float32 decode 63-65K -> 56-61K, speculative (4 tokens) 183-185K -> 147-153K, and in
+// the avx512_bf16 build's bfloat16 speculative 214-219K -> 198-200K.
 template <int NR>
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kScoreUnroll = NR <= 4 ? 4 : 2;
+#else
 constexpr int kScoreUnroll = NR * 4 <= 12 ? 4 : 2;
+#endif
 
 // Scores of NR query rows (q, stride `size`) against U token rows k[0..U) (pointers already
 // at the KV head): out[u * out_stride + r]. U x NR accumulators, summed by reduce_n.
