@@ -35,6 +35,8 @@
 // (the TSC, calibrated against CLOCK_MONOTONIC) and GB/s of K and V read. docs/benchmarks.md
 // has the numbers and what they mean.
 
+#include "_machine.h"
+
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -45,8 +47,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
-#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -71,28 +71,8 @@ alignas(64) uint32_t g_prob_words[16 * 16];
 alignas(64) float g_scores[(kContext + 16) * kHeads];
 alignas(64) float g_out[16 * 16];
 
-std::string cpu_model() {
-  std::ifstream info("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(info, line))
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
-}
-
-double seconds() {
-  timespec now{};
-  clock_gettime(CLOCK_MONOTONIC, &now);
-  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
-}
-
-// TSC ticks per microsecond, over 100 ms of wall time.
-double ticks_per_us() {
-  const double t0 = seconds();
-  const uint64_t c0 = __rdtsc();
-  while (seconds() - t0 < 0.1) {
-  }
-  return static_cast<double>(__rdtsc() - c0) / ((seconds() - t0) * 1e6);
-}
+using bench_machine::cpu_model;
+using bench_machine::ticks_per_us;
 
 // The first byte of the block that holds position j0 of sequence s.
 inline const char* block_of(const char* cache, const int* table, int s, int j0) {
