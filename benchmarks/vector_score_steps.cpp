@@ -115,34 +115,35 @@ void row_pass(const Pages<E>& p, int keys, float* scores, Step&& step) {
     }
 }
 
-template <bool kSums>
-void f32_rows(const Pages<float>& p, int keys, const float* q, float* scores) {
-  row_pass(p, keys, scores, [&](const float* const* k, int g, float* out) {
-    __m512 a[kUnroll * kRows];
-    for (auto& x : a) x = _mm512_setzero_ps();
-    for (int d = 0; d < kD; d += 16) {
-      __m512 x[kUnroll];
-      for (int u = 0; u < kUnroll; ++u) x[u] = _mm512_load_ps(k[u] + d);
-      for (int r = 0; r < kRows; ++r) {
-        const __m512 qv = _mm512_load_ps(q + (g * kRows + r) * kD + d);
-        for (int u = 0; u < kUnroll; ++u) a[u * kRows + r] = _mm512_fmadd_ps(qv, x[u], a[u * kRows + r]);
-      }
-    }
-    kSums ? tree_sums(a, out, kHeads) : lane_sums(a, out, kHeads);
-  });
-}
+// The kernel's row steps, by element type: float32 rows by FMA (16 values of D a product),
+// bfloat16 rows by VDPBF16PS (32 values, in pairs).
+struct F32Rows {
+  using E = float;
+  using X = __m512;
+  static constexpr int kChunk = 16;
+  static X load(const float* p) { return _mm512_load_ps(p); }
+  static __m512 product(__m512 acc, X q, X k) { return _mm512_fmadd_ps(q, k, acc); }
+};
+struct Bf16Rows {
+  using E = uint16_t;
+  using X = __m512bh;
+  static constexpr int kChunk = 32;
+  static X load(const uint16_t* p) { return (__m512bh)_mm512_load_si512(p); }
+  static __m512 product(__m512 acc, X q, X k) { return _mm512_dpbf16_ps(acc, q, k); }
+};
 
-template <bool kSums>
-void bf16_rows(const Pages<uint16_t>& p, int keys, const uint16_t* q, float* scores) {
-  row_pass(p, keys, scores, [&](const uint16_t* const* k, int g, float* out) {
+template <typename R, bool kSums>
+void rows_step(const Pages<typename R::E>& p, int keys, const typename R::E* q, float* scores) {
+  using E = typename R::E;
+  row_pass(p, keys, scores, [&](const E* const* k, int g, float* out) {
     __m512 a[kUnroll * kRows];
     for (auto& x : a) x = _mm512_setzero_ps();
-    for (int d = 0; d < kD; d += 32) {
-      __m512bh x[kUnroll];
-      for (int u = 0; u < kUnroll; ++u) x[u] = (__m512bh)_mm512_load_si512(k[u] + d);
+    for (int d = 0; d < kD; d += R::kChunk) {
+      typename R::X x[kUnroll];
+      for (int u = 0; u < kUnroll; ++u) x[u] = R::load(k[u] + d);
       for (int r = 0; r < kRows; ++r) {
-        const __m512bh qv = (__m512bh)_mm512_load_si512(q + (g * kRows + r) * kD + d);
-        for (int u = 0; u < kUnroll; ++u) a[u * kRows + r] = _mm512_dpbf16_ps(a[u * kRows + r], qv, x[u]);
+        const typename R::X qv = R::load(q + (g * kRows + r) * kD + d);
+        for (int u = 0; u < kUnroll; ++u) a[u * kRows + r] = R::product(a[u * kRows + r], qv, x[u]);
       }
     }
     kSums ? tree_sums(a, out, kHeads) : lane_sums(a, out, kHeads);
@@ -323,11 +324,11 @@ int main(int argc, char** argv) {
     std::function<void(int)> pass;
   };
   const Variant variants[] = {
-      {"f32 rows", [&](int s) { f32_rows<true>(f32[s], keys, q, out); }},
-      {"f32 rows, no sums", [&](int s) { f32_rows<false>(f32[s], keys, q, out); }},
+      {"f32 rows", [&](int s) { rows_step<F32Rows, true>(f32[s], keys, q, out); }},
+      {"f32 rows, no sums", [&](int s) { rows_step<F32Rows, false>(f32[s], keys, q, out); }},
       {"f32 D-major", [&](int s) { f32_dmajor(f32[s], keys, q, out); }},
-      {"bf16 rows", [&](int s) { bf16_rows<true>(bf16[s], keys, q_bf16, out); }},
-      {"bf16 rows, no sums", [&](int s) { bf16_rows<false>(bf16[s], keys, q_bf16, out); }},
+      {"bf16 rows", [&](int s) { rows_step<Bf16Rows, true>(bf16[s], keys, q_bf16, out); }},
+      {"bf16 rows, no sums", [&](int s) { rows_step<Bf16Rows, false>(bf16[s], keys, q_bf16, out); }},
       {"bf16 rows widened", [&](int s) { bf16_rows_widened(bf16[s], keys, q_split, out); }},
       {"bf16 pairs", [&](int s) { bf16_pairs(bf16[s], keys, q_pairs, out); }},
       {"bf16 D-major", [&](int s) { bf16_dmajor(bf16[s], keys, q, out); }},
