@@ -278,7 +278,7 @@ constexpr int kScoreUnroll = NR * 4 <= 12 ? 4 : 2;
 #endif
 
 // Scores of NR query rows (q, stride `size`) against U token rows k[0..U) (pointers already
-// at the KV head): out[u * out_stride + r]. U x NR accumulators, summed by reduce_n.
+// at the KV head): out[u * out_stride + r]. U x NR accumulators, summed by store_sums.
 template <typename T, int NR, int U>
 inline void score_step(const T* const* k, const float* q, int64_t size, float* out,
                        int64_t out_stride) {
