@@ -36,7 +36,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <random>
 #include <vector>
@@ -177,78 +176,67 @@ void bf16_rows_widened(const Pages<uint16_t>& p, int keys, const float* q_split,
 // Lane steps: 16 keys of one head in the lanes, each query row's scores one vector per 16
 // keys, stored row by row (scores[(g * kRows + r) * keys + j]). `column(page, c, i)` gives 16
 // keys' values of column i (a value of D, or a pair) from the page's key half at 16-key group
-// c. A page's two groups share each query broadcast and two partial sums per (group, row)
-// (columns i % 2) keep 12 product chains in flight.
-template <int kGroups, typename E, typename Column, typename Product>
-void lane_step(const E* page, int c0, int g, int columns, int keys, int j0, float* scores, Column& column,
-               Product& product) {
-  using V = decltype(column(page, 0, 0));
+// c; `query(row, i)` the query's column i broadcast; R::product adds their products. A page's
+// two groups share each broadcast, and two partial sums per (group, row) (columns i % 2) keep
+// 12 product chains in flight.
+template <typename R, int kGroups, typename E, typename Column, typename Query>
+void lane_step(const E* page, int g, int columns, int keys, int j0, float* scores, Column& column, Query& query) {
   __m512 a[2][kGroups][kRows];
   for (auto& part : a)
     for (auto& group : part)
       for (auto& x : group) x = _mm512_setzero_ps();
   for (int i = 0; i < columns; i += 2)
     for (int k = 0; k < 2; ++k) {
-      V x[kGroups];
+      typename R::X x[kGroups];
       for (int c = 0; c < kGroups; ++c) {
-        x[c] = column(page, c0 + c, i + k);
+        x[c] = column(page, c, i + k);
         asm("" : "+v"(x[c]));  // one load per column and group, not one per product
       }
-      for (int r = 0; r < kRows; ++r) product(a[k][0][r], a[k][kGroups - 1][r], x, g * kRows + r, i + k);
+      for (int r = 0; r < kRows; ++r) {
+        const typename R::X qv = query(g * kRows + r, i + k);
+        for (int c = 0; c < kGroups; ++c) a[k][c][r] = R::product(a[k][c][r], qv, x[c]);
+      }
     }
   for (int c = 0; c < kGroups; ++c)
     for (int r = 0; r < kRows; ++r)
       _mm512_storeu_ps(scores + (g * kRows + r) * keys + j0 + 16 * c, _mm512_add_ps(a[0][c][r], a[1][c][r]));
 }
 
-template <typename E, typename Column, typename Product>
-void lane_pass(const Pages<E>& p, int keys, int columns, float* scores, Column&& column, Product&& product) {
+template <typename R, typename E, typename Column, typename Query>
+void lane_pass(const Pages<E>& p, int keys, int columns, float* scores, Column&& column, Query&& query) {
   for (int j0 = 0; j0 < keys; j0 += kBlock)
     for (int g = 0; g < kKvHeads; ++g) {
       const E* page = p.page(j0 / kBlock, g);
       if (j0 + kBlock <= keys)
-        lane_step<2>(page, 0, g, columns, keys, j0, scores, column, product);
+        lane_step<R, 2>(page, g, columns, keys, j0, scores, column, query);
       else
-        lane_step<1>(page, 0, g, columns, keys, j0, scores, column, product);
+        lane_step<R, 1>(page, g, columns, keys, j0, scores, column, query);
     }
 }
 
-// acc += q[row][i] x 16 keys' column i, for the step's one or two groups.
-struct FmaProduct {
-  const float* q;
-  void operator()(__m512& acc0, __m512& acc1, const __m512* x, int row, int i) const {
-    const __m512 qv = _mm512_set1_ps(q[row * kD + i]);
-    acc0 = _mm512_fmadd_ps(qv, x[0], acc0);
-    if (&acc1 != &acc0) acc1 = _mm512_fmadd_ps(qv, x[1], acc1);
-  }
-};
-
 void f32_dmajor(const Pages<float>& p, int keys, const float* q, float* scores) {
-  lane_pass(
+  lane_pass<F32Rows>(
       p, keys, kD, scores,
       [](const float* page, int c, int i) { return _mm512_load_ps(page + i * kBlock + c * 16); },
-      FmaProduct{q});
+      [&](int row, int i) { return _mm512_set1_ps(q[row * kD + i]); });
 }
 
 void bf16_pairs(const Pages<uint16_t>& p, int keys, const uint32_t* q_pairs, float* scores) {
-  lane_pass(
+  lane_pass<Bf16Rows>(
       p, keys, kD / 2, scores,
       [](const uint16_t* page, int c, int i) { return (__m512bh)_mm512_load_si512(page + (i * kBlock + c * 16) * 2); },
-      [&](__m512& acc0, __m512& acc1, const __m512bh* x, int row, int i) {
-        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[row * kD / 2 + i]));
-        acc0 = _mm512_dpbf16_ps(acc0, qv, x[0]);
-        if (&acc1 != &acc0) acc1 = _mm512_dpbf16_ps(acc1, qv, x[1]);
-      });
+      [&](int row, int i) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[row * kD / 2 + i])); });
 }
 
+// The keys widened to float32 as they load, then float32 products.
 void bf16_dmajor(const Pages<uint16_t>& p, int keys, const float* q, float* scores) {
-  lane_pass(
+  lane_pass<F32Rows>(
       p, keys, kD, scores,
       [](const uint16_t* page, int c, int i) {
         const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(page + i * kBlock + c * 16));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
       },
-      FmaProduct{q});
+      [&](int row, int i) { return _mm512_set1_ps(q[row * kD + i]); });
 }
 
 // Median TSC ticks per key and KV head of `pass` over all sequences, 7 sweeps.
