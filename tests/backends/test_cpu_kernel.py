@@ -245,6 +245,48 @@ def test_ragged_batch_with_chunked_decode(dtype: torch.dtype, kernel_calls: list
 
 
 @requires_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size", "block_size"),
+    [
+        (9, 3, 64, 16),  # SmolLM2's heads
+        (32, 8, 128, 24),  # 16-key tiles across blocks of 24
+        (6, 1, 96, 32),  # G = 6: head groups of 4 and 2 rows, pairs at an offset
+        (20, 2, 256, 16),  # G = 10, eight chunks of 32 values
+        (4, 4, 32, 1),  # G = 1, one-slot blocks: every tile's rows gathered
+    ],
+    ids=["smollm2", "g4-d128-block24", "g6-d96", "g10-d256", "g1-d32-block1"],
+)
+def test_bfloat16_one_token_values_in_key_pairs(
+    heads: int, kv_heads: int, head_size: int, block_size: int, kernel_calls: list[int]
+) -> None:
+    """bfloat16 one-token decode of D a multiple of 32, whose P V the avx512_bf16 build takes
+    by VDPBF16PS on key pairs: odd and even lengths (an odd last key pairs with a zero row),
+    lengths of 1 and past 16-key tiles, a value of +-Inf at a visible key, match the float64
+    reference on a cache whose unused slots hold NaN keys and Inf values."""
+    opts = Options(num_heads=heads, num_kv_heads=kv_heads, head_size=head_size)
+    seq_lens = [1, 2, 15, 17, 34, 101, 560]
+    batch = make_batch(opts, [1] * len(seq_lens), seq_lens, block_size, torch.bfloat16)
+    # Key 40 of the sequence of 101 keys: one value +Inf, another -Inf (the reference's
+    # outputs there are +-Inf or NaN, every other column finite).
+    block = int(batch.metadata.block_table[5, 40 // block_size])
+    for plane in (batch.kv_cache[1, block, 40 % block_size], batch.full_values[5][40]):
+        plane[0, 3] = math.inf
+        plane[kv_heads - 1, head_size - 1] = -math.inf
+
+    kernel_out, torch_out = run_both_paths(opts, batch, kernel_calls, block_size)
+
+    expected = reference_attention(opts, batch)
+    infinite = ~torch.isfinite(expected)
+    assert int(infinite.sum()) == 2 * heads // kv_heads  # the group's rows of those columns
+    for out in (kernel_out, torch_out):
+        assert torch.equal(out.double()[infinite], expected[infinite])
+        assert bool(torch.isfinite(out[~infinite]).all())
+        torch.testing.assert_close(
+            out.double()[~infinite], expected[~infinite], atol=3e-2, rtol=3e-2
+        )
+
+
+@requires_kernel
 def test_padding_tokens_are_left_alone(kernel_calls: list[int]) -> None:
     """Padded query rows (past num_actual_tokens, slot -1) are neither read nor written."""
     opts = Options(num_heads=4, num_kv_heads=1, head_size=64)
@@ -312,7 +354,10 @@ def test_kernel_status_says_how_bfloat16_is_computed() -> None:
             *([decode] if decode.startswith(_NO_AMX) else []),
         )
     elif status.isa == "avx512_bf16":
-        assert decode == "decode: AVX512_BF16 scores, float32 FMA P V"
+        assert decode == (
+            "decode: AVX512_BF16 scores, AVX512_BF16 P V for one-token queries of D a multiple of "
+            "32 (probabilities rounded to bfloat16), float32 FMA P V elsewhere"
+        )
     else:
         assert decode == "decode: float32 FMA on converted rows"
     if status.isa == "amx" and not decode.startswith(_NO_AMX):

@@ -325,9 +325,12 @@ constexpr int64_t kPair = 32;
 // AVX512_BF16's VDPBF16PS multiplies 32 bfloat16 pairs (each product exact in float32) and
 // adds them pairwise into 16 float32 lanes, so the cache rows are read as they are, without a
 // conversion; accumulation is float32. The last size % 32 values are loaded masked (`tail`:
-// zeros beyond the head), so any head size works.
+// zeros beyond the head), so any head size works. Always inlined: where GCC kept it a call
+// of its own (from score_tile_bf16, inlined into run_item), its accumulators went through
+// memory each step, and SmolLM2's one-thread bfloat16 decode took 1.12x its inlined time
+// (AMD EPYC, avx512_bf16 build: 213 against 159 us a call; perf showed the step out of line).
 template <int NR, int U>
-inline void score_step_bf16(const c10::BFloat16* const* k, const c10::BFloat16* q, int64_t size,
+__attribute__((always_inline)) inline void score_step_bf16(const c10::BFloat16* const* k, const c10::BFloat16* q, int64_t size,
                             int64_t full, __mmask32 tail, float scale, float* out,
                             int64_t out_stride) {
   auto load = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
@@ -415,6 +418,43 @@ inline void value_tile_bf16_paired(const c10::BFloat16* const* v, int64_t nt, co
         const __m512 pr = _mm512_set1_ps(p[t * p_stride + r]);
         a[r][0] = _mm512_fmadd_ps(pr, x0, a[r][0]);
         a[r][1] = _mm512_fmadd_ps(pr, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm512_storeu_ps(acc + r * size + d, a[r][0]);
+      _mm512_storeu_ps(acc + r * size + d + 16, a[r][1]);
+    }
+  }
+}
+
+// value_tile_bf16_paired by VDPBF16PS on token pairs: the rows of keys 2u and 2u + 1 are
+// interleaved by one VPUNPCKLWD / VPUNPCKHWD per 32 values (the columns in the same order as
+// value_tile_bf16_paired's), and each lane adds p_2u v_2u[d] + p_2u+1 v_2u+1[d] with the
+// probability pair broadcast (pairs[u * p_stride + r], pack_probability_pairs: P rounded to
+// bfloat16, as a bfloat16 GEMM of P V rounds it; the sums stay float32). An odd last key pairs
+// with a zero row and probability. Half the products' instructions of the FMAs where
+// VDPBF16PS issues at the FMA's rate (AMD Zen 4); where it issues at half that rate (Intel
+// Sapphire Rapids, 1.12 against 0.31 ticks, benchmarks/vector_score_steps.cpp) the FMAs win,
+// so only the avx512_bf16 build (no AMX) takes it.
+template <int NR>
+inline void value_tile_bf16_dot(const c10::BFloat16* const* v, int64_t nt, const uint32_t* pairs,
+                                int64_t p_stride, float* acc, int64_t size) {
+  const int64_t count = (nt + 1) / 2;
+  for (int64_t d = 0; d < size; d += 32) {
+    __m512 a[NR][2];
+    for (int r = 0; r < NR; ++r) {
+      a[r][0] = _mm512_loadu_ps(acc + r * size + d);
+      a[r][1] = _mm512_loadu_ps(acc + r * size + d + 16);
+    }
+    for (int64_t u = 0; u < count; ++u) {
+      const __m512i x = _mm512_loadu_si512(v[2 * u] + d);
+      const __m512i y = 2 * u + 1 < nt ? _mm512_loadu_si512(v[2 * u + 1] + d) : _mm512_setzero_si512();
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[u * p_stride + r]));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], lo, pr);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], hi, pr);
       }
     }
     for (int r = 0; r < NR; ++r) {
@@ -1370,6 +1410,10 @@ struct Kernel {
       }
 #endif
     const bool paired = kBf16Dot && s.q_len == 1 && D % 32 == 0 && !values_done;
+#if defined(ATTN_DI_AVX512_BF16) && !defined(ATTN_DI_AMX)
+    // The item's probabilities as bfloat16 pairs, once (value_tile_bf16_dot reads them).
+    if (paired) pack_probability_pairs(scores, n, rows, sc.prob_pairs);
+#endif
     for (int64_t j0 = 0; !values_done && j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
       for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
@@ -1378,15 +1422,28 @@ struct Kernel {
         for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(values, s, item.seq, item.start + j0 + t);
         for (int64_t g = 0; g < o.kv_heads; ++g) {
 #if defined(ATTN_DI_AVX512_BF16)
-          // bfloat16 value rows read in place, widened to float32 as they load (a shift), and
-          // multiplied by the float32 probabilities with FMAs: 1.1-1.3x faster than VDPBF16PS
-          // on pairs of rows interleaved per key pair (VPERMT2W) with the probabilities
-          // rounded to bfloat16 (bench: one thread, one sequence of 1024 keys, G = 3 of D = 64
-          // and G = 4 of 128, amx and avx512_bf16 builds); rows stay L1-resident across the
-          // head group's passes.
+          // bfloat16 value rows read in place. In the avx512_bf16 build (AMD Zen 4 and the
+          // like, where VDPBF16PS issues at the FMA's rate) one-token items take VDPBF16PS on
+          // token pairs (value_tile_bf16_dot): B8 x 2048, 32/8 heads of 128, 0.96-1.05x ->
+          // 0.68-0.74x of vLLM's op; SmolLM2's decode 0.93-0.96x -> 0.79-0.82x (bench_vs_vllm,
+          // AMD EPYC, two threads, alternating processes). Elsewhere, and in the amx build (on
+          // Sapphire Rapids VDPBF16PS issues at half the FMA's rate), the rows are widened to
+          // float32 as they load and multiplied by the float32 probabilities with FMAs: there
+          // 1.1-1.3x faster than VDPBF16PS on rows interleaved by VPERMT2W (one thread, one
+          // sequence of 1024 keys, G = 3 of D = 64 and G = 4 of 128). Rows stay L1-resident
+          // across the head group's passes.
           if constexpr (kBf16Dot) {
             const T* heads[kTile];
             for (int64_t t = 0; t < nt; ++t) heads[t] = tile_rows[t] + g * values.head_stride;
+#if !defined(ATTN_DI_AMX)
+            if (paired) {
+              const uint32_t* pairs = sc.prob_pairs.data() + j0 / 2 * rows + g * G;
+              for_head_groups(G, [&](auto nr, int64_t h) {
+                value_tile_bf16_dot<decltype(nr)::value>(heads, nt, pairs + h, rows, acc + (g * G + h) * D, D);
+              });
+              continue;
+            }
+#endif
             for (int64_t i = 0; i < s.q_len; ++i) {
               const int64_t r0 = i * H + g * G;
               const float* pj = scores + j0 * rows + r0;
@@ -2232,7 +2289,9 @@ std::string bf16_paths() {
                              "AVX512_BF16 scores and float32 FMA P V elsewhere"
                            : "decode: AVX512_BF16 scores, float32 FMA P V (no AMX: " + amx_state().why + ")";
 #else
-  std::string decode = kNativeBf16Dot ? "decode: AVX512_BF16 scores, float32 FMA P V"
+  std::string decode = kNativeBf16Dot ? "decode: AVX512_BF16 scores, AVX512_BF16 P V for one-token "
+                                        "queries of D a multiple of 32 (probabilities rounded to "
+                                        "bfloat16), float32 FMA P V elsewhere"
                                       : "decode: float32 FMA on converted rows";
 #endif
 #if defined(ATTN_DI_AMX)
