@@ -6,6 +6,7 @@
 #include <x86intrin.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <ctime>
 #include <fstream>
 #include <string>
@@ -44,6 +45,16 @@ inline double ticks_per_us() {
   while (seconds() - t0 < 0.1) {
   }
   return static_cast<double>(__rdtsc() - c0) / ((seconds() - t0) * 1e6);
+}
+
+// Prints the CPU model, whether it has AVX512_BF16 and AMX tiles, and the TSC's rate (one
+// line); false, with a line on stderr, where the CPU lacks `needed` (a /proc/cpuinfo flag).
+inline bool announce(const std::string& needed) {
+  std::printf("CPU: %s; avx512_bf16: %s, amx_tile: %s; TSC: %.0f ticks a microsecond\n", cpu_model().c_str(),
+              cpu_has("avx512_bf16") ? "yes" : "no", cpu_has("amx_tile") ? "yes" : "no", ticks_per_us());
+  if (cpu_has(needed)) return true;
+  std::fprintf(stderr, "this CPU has no %s\n", needed.c_str());
+  return false;
 }
 
 }  // namespace bench_machine

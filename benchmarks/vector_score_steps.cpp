@@ -10,6 +10,8 @@
 //   f32 rows             the kernel's float32 step (attn_di's layout: a token's row of a head is
 //                        D contiguous values)
 //   f32 rows, no sums    the same products, lane 0 stored instead of the sum: the tree's share
+//   f32 rows, q held     the kernel's step for <= 3 rows of 64 (score_step_held): the KV
+//                        head's query rows in registers across its keys, not loaded per step
 //   f32 D-major          keys [D][32] per page and head (vLLM's vec layout for its key half):
 //                        16 keys in the lanes, q broadcast, no sums, scores row by row
 //   bf16 rows            the avx512_bf16 build's step (VDPBF16PS over 32 pairs of D)
@@ -149,6 +151,29 @@ void rows_step(const Pages<typename R::E>& p, int keys, const typename R::E* q, 
   });
 }
 
+// The f32 rows step with the KV head's query rows held in registers (KV head outer, as the
+// kernel's score_tile_held holds them for a 16-key tile).
+void f32_rows_held(const Pages<float>& p, int keys, const float* q, float* scores) {
+  for (int g = 0; g < kKvHeads; ++g) {
+    __m512 qv[kRows][kD / 16];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kD / 16; ++c) qv[r][c] = _mm512_load_ps(q + (g * kRows + r) * kD + c * 16);
+    for (int j0 = 0; j0 + kUnroll <= keys; j0 += kUnroll) {
+      const float* k[kUnroll];
+      for (int u = 0; u < kUnroll; ++u) k[u] = p.row(j0 + u, g);
+      __m512 a[kUnroll * kRows];
+      for (auto& x : a) x = _mm512_setzero_ps();
+      for (int c = 0; c < kD / 16; ++c) {
+        __m512 x[kUnroll];
+        for (int u = 0; u < kUnroll; ++u) x[u] = _mm512_load_ps(k[u] + c * 16);
+        for (int r = 0; r < kRows; ++r)
+          for (int u = 0; u < kUnroll; ++u) a[u * kRows + r] = _mm512_fmadd_ps(qv[r][c], x[u], a[u * kRows + r]);
+      }
+      tree_sums(a, scores + static_cast<size_t>(j0) * kHeads + g * kRows, kHeads);
+    }
+  }
+}
+
 // q_split: per query row and 32 values of D, the 16 at even offsets then the 16 at odd ones.
 void bf16_rows_widened(const Pages<uint16_t>& p, int keys, const float* q_split, float* scores) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -281,13 +306,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "keys must be a positive multiple of 16 and seqs >= 1\n");
     return 2;
   }
-  std::printf("CPU: %s; avx512_bf16: %s, amx_tile: %s; TSC: %.0f ticks a microsecond\n",
-              bench_machine::cpu_model().c_str(), bench_machine::cpu_has("avx512_bf16") ? "yes" : "no",
-              bench_machine::cpu_has("amx_tile") ? "yes" : "no", bench_machine::ticks_per_us());
-  if (!bench_machine::cpu_has("avx512_bf16")) {
-    std::fprintf(stderr, "this CPU has no AVX512_BF16\n");
-    return 1;
-  }
+  if (!bench_machine::announce("avx512_bf16")) return 1;
   std::printf("%d keys x %d KV heads of D = %d, %d query rows each, %d sequence(s) in turn\n", keys, kKvHeads,
               kD, kRows, seqs);
   std::vector<Pages<float>> f32;
@@ -314,6 +333,7 @@ int main(int argc, char** argv) {
   const Variant variants[] = {
       {"f32 rows", [&](int s) { rows_step<F32Rows, true>(f32[s], keys, q, out); }},
       {"f32 rows, no sums", [&](int s) { rows_step<F32Rows, false>(f32[s], keys, q, out); }},
+      {"f32 rows, q held", [&](int s) { f32_rows_held(f32[s], keys, q, out); }},
       {"f32 D-major", [&](int s) { f32_dmajor(f32[s], keys, q, out); }},
       {"bf16 rows", [&](int s) { rows_step<Bf16Rows, true>(bf16[s], keys, q_bf16, out); }},
       {"bf16 rows, no sums", [&](int s) { rows_step<Bf16Rows, false>(bf16[s], keys, q_bf16, out); }},
