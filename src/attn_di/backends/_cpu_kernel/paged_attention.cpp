@@ -229,7 +229,8 @@ inline void reduce_n(const fVec* a, float* sums) {
 // then go out one scalar multiply and store each), then one multiply and a masked store of
 // NR floats per token. Else reduce_n.
 template <int NR, int U>
-__attribute__((always_inline)) inline void store_sums(const fVec* a, float scale, float* out, int64_t out_stride) {
+__attribute__((always_inline)) inline void store_sums(const fVec* a, float scale, float* out,
+                                                      int64_t out_stride) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (NR <= 4 && U <= 4) {
     const __m512 zero = _mm512_setzero_ps();
@@ -311,7 +312,7 @@ inline void score_step(const T* const* k, const float* q, int64_t size, float* o
 // may alias the queries, so the compiler cannot keep them. Taken where NR x C <= 12, so that
 // the queries, the U x NR accumulators and U key vectors fit AVX-512's 32 registers (SmolLM2:
 // 3 rows of 64). AMD EPYC: the score pass of one SmolLM2 sequence (vector_score_steps' step)
-// 15.3-15.5 -> 11.9-12.1 TSC ticks per key and KV head; SmolLM2's float32 decode, alternating
+// 15.3-15.7 -> 11.9-12.3 TSC ticks per key and KV head; SmolLM2's float32 decode, alternating
 // processes, 1.15-1.16x -> 1.06-1.07x of vLLM's op on one thread, 1.12-1.14x -> 1.09x on two;
 // over 30 layers' caches (bound by memory) within noise. store_sums is always inlined: out of
 // line, the accumulators go through memory.
@@ -375,9 +376,10 @@ constexpr int64_t kPair = 32;
 // memory each step, and SmolLM2's one-thread bfloat16 decode took 1.12x its inlined time
 // (AMD EPYC, avx512_bf16 build: 213 against 159 us a call; perf showed the step out of line).
 template <int NR, int U>
-__attribute__((always_inline)) inline void score_step_bf16(const c10::BFloat16* const* k, const c10::BFloat16* q, int64_t size,
-                            int64_t full, __mmask32 tail, float scale, float* out,
-                            int64_t out_stride) {
+__attribute__((always_inline)) inline void score_step_bf16(const c10::BFloat16* const* k,
+                                                           const c10::BFloat16* q, int64_t size,
+                                                           int64_t full, __mmask32 tail, float scale,
+                                                           float* out, int64_t out_stride) {
   auto load = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
   auto load_tail = [tail](const c10::BFloat16* p) {
     return (__m512bh)_mm512_maskz_loadu_epi16(tail, p);
@@ -477,10 +479,11 @@ inline void value_tile_bf16_paired(const c10::BFloat16* const* v, int64_t nt, co
 // value_tile_bf16_paired's), and each lane adds p_2u v_2u[d] + p_2u+1 v_2u+1[d] with the
 // probability pair broadcast (pairs[u * p_stride + r], pack_probability_pairs: P rounded to
 // bfloat16, as a bfloat16 GEMM of P V rounds it; the sums stay float32). An odd last key pairs
-// with a zero row and probability. Half the products' instructions of the FMAs where
-// VDPBF16PS issues at the FMA's rate (AMD Zen 4); where it issues at half that rate (Intel
-// Sapphire Rapids, 1.12 against 0.31 ticks, benchmarks/vector_score_steps.cpp) the FMAs win,
-// so only the avx512_bf16 build (no AMX) takes it.
+// with a zero row and probability. Half the instructions of the FMAs for the same products
+// where VDPBF16PS issues at the FMA's rate (AMD Zen 4: 0.71 against 0.74 TSC ticks,
+// benchmarks/vector_score_steps.cpp); where it issues at a quarter of it, half the FMA's
+// products (Intel Sapphire Rapids: 1.12 against 0.31), the FMAs win, so only the avx512_bf16
+// build (no AMX) takes it.
 template <int NR>
 inline void value_tile_bf16_dot(const c10::BFloat16* const* v, int64_t nt, const uint32_t* pairs,
                                 int64_t p_stride, float* acc, int64_t size) {
@@ -1471,12 +1474,12 @@ struct Kernel {
           // like, where VDPBF16PS issues at the FMA's rate) one-token items take VDPBF16PS on
           // token pairs (value_tile_bf16_dot): B8 x 2048, 32/8 heads of 128, 0.96-1.05x ->
           // 0.68-0.74x of vLLM's op; SmolLM2's decode 0.93-0.96x -> 0.79-0.82x (bench_vs_vllm,
-          // AMD EPYC, two threads, alternating processes). Elsewhere, and in the amx build (on
-          // Sapphire Rapids VDPBF16PS issues at half the FMA's rate), the rows are widened to
-          // float32 as they load and multiplied by the float32 probabilities with FMAs: there
-          // 1.1-1.3x faster than VDPBF16PS on rows interleaved by VPERMT2W (one thread, one
-          // sequence of 1024 keys, G = 3 of D = 64 and G = 4 of 128). Rows stay L1-resident
-          // across the head group's passes.
+          // AMD EPYC, two threads, alternating processes). Elsewhere, and in the amx build
+          // (on Sapphire Rapids VDPBF16PS does half the FMA's products a cycle), the rows are
+          // widened to float32 as they load and multiplied by the float32 probabilities with
+          // FMAs: there 1.1-1.3x faster than VDPBF16PS on rows interleaved by VPERMT2W (one
+          // thread, one sequence of 1024 keys, G = 3 of D = 64 and G = 4 of 128). Rows stay
+          // L1-resident across the head group's passes.
           if constexpr (kBf16Dot) {
             const T* heads[kTile];
             for (int64_t t = 0; t < nt; ++t) heads[t] = tile_rows[t] + g * values.head_stride;
