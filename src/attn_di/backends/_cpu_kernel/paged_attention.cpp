@@ -349,11 +349,9 @@ template <typename T, int NR>
 inline void score_tile(const T* const* k, int64_t nt, const float* q, int64_t size, float* out,
                        int64_t out_stride) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (NR <= 3) {
+  if constexpr (NR <= 3)
     if (size == 4 * kLanes) return score_tile_held<T, NR, 4>(k, nt, q, out, out_stride);
-    if (size == 2 * kLanes) return score_tile_held<T, NR, 2>(k, nt, q, out, out_stride);
-  }
-  if constexpr (NR == 4)
+  if constexpr (NR <= 4)
     if (size == 2 * kLanes) return score_tile_held<T, NR, 2>(k, nt, q, out, out_stride);
 #endif
   constexpr int U = kScoreUnroll<NR>;
