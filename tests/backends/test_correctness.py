@@ -11,6 +11,7 @@ value product (2**-8 for bf16, 2**-11 for fp16) accumulated over a few hundred k
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -27,6 +28,7 @@ from tests.backends.reference import (
     Options,
     make_batch,
     reference_attention,
+    slot_index,
 )
 
 TOLERANCES: dict[torch.dtype, float] = {
@@ -272,3 +274,102 @@ def test_float16_scores_below_the_dtype_minimum_stay_masked(
     assert bool(out.isfinite().all())
     reference = reference_attention(opts, batch)
     torch.testing.assert_close(out.double(), reference, atol=5e-3, rtol=5e-3)
+
+
+_NON_FINITE_QUERIES = {
+    "nan-element": (math.nan, 3),
+    "nan-row": (math.nan, None),
+    "inf-element": (math.inf, 3),
+    "inf-row": (math.inf, None),
+    "minus-inf-row": (-math.inf, None),
+}
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 30], ids=["many-chunks", "one-chunk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [5, 1, 3, 1]], ids=["decode", "mixed"])
+@pytest.mark.parametrize(
+    ("seq_lens", "block_size"),
+    [([40, 1, 100, 67], 16), ([12, 12, 12, 12], 4)],
+    ids=["ragged-16", "even-4"],
+)
+@pytest.mark.parametrize("case", list(_NON_FINITE_QUERIES))
+def test_cpu_attn_pure_torch_gives_nan_where_the_reference_does(
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+    seq_lens: list[int],
+    block_size: int,
+    query_lens: list[int],
+    dtype: torch.dtype,
+    chunk_bytes: int,
+) -> None:
+    """A NaN query, or an infinite one (its scores NaN or +-inf), makes its row NaN in
+    CPU_ATTN's pure-torch path wherever the float64 reference's softmax is NaN, and leaves
+    the other rows as the reference has them, over one key chunk or many. (torch's CPU
+    flash kernel, given fewer than 16 keys and no mask, takes a row of all-NaN scores for
+    one that sees no key: output 0; the even batch in 4-key chunks is that case.) A NaN key
+    merged over many chunks of a ragged batch also reaches its rows."""
+    from attn_di.backends import _cpu_kernel, cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_DECODE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(cpu_attn, "_CHUNK_BYTES", chunk_bytes)
+    bad, dim = _NON_FINITE_QUERIES[case]
+    opts = Options(num_heads=8, num_kv_heads=2, head_size=64)
+    batch = make_batch(opts, query_lens, seq_lens, block_size, dtype)
+    batch.query[0, 1, slice(None) if dim is None else dim] = bad
+    batch.key[sum(query_lens) - 1, 0, 7] = math.nan  # sequence 3's last key, KV head 0
+    batch.full_keys[3][seq_lens[3] - 1, 0, 7] = math.nan
+    expected = reference_attention(opts, batch)
+    assert bool(expected[0, 64:128].isnan().all())
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+
+    with _cpu_kernel.pure_torch():
+        out = impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+        )
+
+    assert torch.equal(out.isnan(), expected.isnan())
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("pure_torch", [True, False], ids=["pure-torch", "default"])
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 30], ids=["many-chunks", "one-chunk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+def test_cpu_attn_a_non_finite_value_stays_in_its_sequence(
+    monkeypatch: pytest.MonkeyPatch,
+    bad: float,
+    dtype: torch.dtype,
+    chunk_bytes: int,
+    pure_torch: bool,
+) -> None:
+    """A NaN or infinite value that the longest sequence of a decode batch wrote reaches
+    that sequence's rows as the reference has it and no other sequence's rows, whose
+    block tables are shorter: the pure-torch decode path gathers whole blocks, its unused
+    block-table entries name the longest sequence's first block, and a masked key's
+    probability of 0 times Inf is NaN unless those rows are zeroed."""
+    import contextlib
+
+    from attn_di.backends import _cpu_kernel, cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_DECODE_CHUNK_BYTES", chunk_bytes)
+    opts = Options(num_heads=8, num_kv_heads=2, head_size=64)
+    seq_lens = [7, 16, 100, 31]  # sequence 2 is the longest: its first block holds position 9
+    batch = make_batch(opts, [1, 1, 1, 1], seq_lens, 16, dtype)
+    slot = batch.metadata.block_table[2, 0].long() * 16 + 9
+    block, offset = slot_index(batch.kv_cache, slot)
+    batch.kv_cache[1][block, offset, 1, 11] = bad
+    batch.full_values[2][9, 1, 11] = bad
+    expected = reference_attention(opts, batch)
+    assert not bool(expected[[0, 1, 3]].isnan().any())
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+
+    with _cpu_kernel.pure_torch() if pure_torch else contextlib.nullcontext():
+        out = impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+        )
+
+    assert torch.equal(out.isnan(), expected.isnan())
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol, equal_nan=True)

@@ -1096,6 +1096,7 @@ _NON_FINITE = {
     "nan-key": ("key", math.nan),
     "inf-key": ("key", math.inf),
     "nan-query": ("query", math.nan),
+    "inf-query": ("query", math.inf),
     "nan-value": ("value", math.nan),
 }
 # (query length, head size): the decode kernel on vector registers, on AMX tiles (bfloat16
@@ -1110,11 +1111,12 @@ _KERNEL_PATHS = {"decode": (1, 64), "decode-tiles": (4, 128), "prefill": (20, 64
 def test_non_finite_inputs_reach_the_output_as_the_reference_has_them(
     case: str, path: str, dtype: torch.dtype, kernel_calls: list[int]
 ) -> None:
-    """A NaN or infinite key, or a NaN query, that a query row sees gives that row NaN where
-    the float64 reference gives NaN, never zeros or a finite row that left the key out; the
-    other rows are unaffected. (The kernels' exp once clamped a NaN score to a probability of
-    ~0, and their maxima dropped NaN.) The pure-torch path agrees with the reference on NaN;
-    on an infinite key in bfloat16 / float16 it gives finite rows (not checked here)."""
+    """A NaN or infinite key, or a NaN or infinite query, that a query row sees gives that
+    row NaN where the float64 reference gives NaN, never zeros or a finite row that left the
+    key out; the other rows are unaffected. (The kernels' exp once clamped a NaN score to a
+    probability of ~0, and their maxima dropped NaN.) The pure-torch path agrees with the
+    reference on NaN; on an infinite key in bfloat16 / float16 it gives finite rows (not
+    checked here)."""
     what, bad = _NON_FINITE[case]
     q_len, head_size = _KERNEL_PATHS[path]
     opts = Options(num_heads=8, num_kv_heads=2, head_size=head_size)
@@ -1134,7 +1136,9 @@ def test_non_finite_inputs_reach_the_output_as_the_reference_has_them(
 
     tol = TOLERANCES[dtype]
     checked = (
-        [kernel_out] if math.isinf(bad) and dtype != torch.float32 else [kernel_out, torch_out]
+        [kernel_out]
+        if what == "key" and math.isinf(bad) and dtype != torch.float32
+        else [kernel_out, torch_out]
     )
     for out in checked:
         assert torch.equal(out.isnan(), expected.isnan())
@@ -1196,3 +1200,33 @@ def test_rows_that_see_only_minus_inf_scores_get_nan_as_the_reference(
     tol = TOLERANCES[dtype]
     assert torch.equal(kernel_out.isnan(), expected.isnan())
     torch.testing.assert_close(kernel_out.double(), expected, atol=tol, rtol=tol, equal_nan=True)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("slope", [90.0, 100.0])
+def test_an_infinite_value_under_a_vanishing_probability_stays_non_finite(
+    slope: float, dtype: torch.dtype, kernel_calls: list[int]
+) -> None:
+    """An ALiBi slope of 90-100 puts the cached key ~90-100 below the new one: its float32
+    probability is below the normal range, which the kernels' exp flushes to 0, and an
+    infinite value there gives NaN where the float64 reference has +inf (0 x Inf;
+    docs/guides/reliability.md). The column is non-finite either way, never a finite
+    number, and the other columns match the reference."""
+    opts = Options(num_heads=1, num_kv_heads=1, head_size=32, alibi_slopes=[slope])
+    batch = make_batch(opts, [1], [2], 16, dtype)
+    slot = batch.metadata.block_table[0, 0].long() * 16  # position 0, cached
+    block, offset = slot_index(batch.kv_cache, slot)
+    batch.kv_cache[1][block, offset, 0, 5] = math.inf
+    batch.full_values[0][0, 0, 5] = math.inf
+    expected = reference_attention(opts, batch)
+    assert math.isinf(float(expected[0, 5]))
+
+    kernel_out, _ = run_both_paths(opts, batch, kernel_calls, 16)
+
+    assert not math.isfinite(float(kernel_out[0, 5]))
+    others = torch.arange(32) != 5
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(
+        kernel_out[:, others].double(), expected[:, others], atol=tol, rtol=tol
+    )

@@ -332,10 +332,10 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         core's L2/L3 cache (:data:`_DECODE_CHUNK_BYTES`), and handed at once to torch's CPU
         flash kernel with GQA folded (``[b, H_kv, g, D]`` queries), so the kernel reads the
         copy from cache rather than from memory. A chunk is ``s`` sequences by ``c`` block
-        columns of the block table. Keys past a sequence's length are masked; unused
-        block-table entries name a block that was written, and the gathered rows of the
-        slots past a sequence's end in its last block are zeroed (:func:`_tail_rows`), so
-        whatever the cache holds there (NaN, Inf) never reaches the result. The chunks'
+        columns of the block table. Keys past a sequence's length are masked, and their
+        gathered rows (the slots past its end in its last block, and the blocks its unused
+        block-table entries name) are zeroed: a masked key's probability is 0, and 0 times
+        the NaN or Inf a slot may hold, or another sequence's infinite value, is NaN. The chunks'
         results are merged once at the end through their log-sum-exps (softmax over the
         chunk axis), and sinks scale the result by ``sigmoid(lse - sink)``.
         """
@@ -349,8 +349,8 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         table = metadata.block_table[:, :table_cols].to(device=device, dtype=torch.long)
         needed = -(-seq_lens // block_size)
         col = torch.arange(table_cols, device=device)
-        # Unused entries name the longest sequence's first block, which it fills whenever it
-        # spans more than one block (block 0 may hold anything, NaN and Inf included).
+        # Unused entries name the longest sequence's first block (a block of this cache;
+        # block 0 may be unallocated), whose gathered rows are zeroed below.
         longest = int(seq_lens.argmax())
         table = torch.where(col[None, :] < needed[:, None], table, table[longest, 0])
         block_numel = block_size * kv_heads * size
@@ -362,7 +362,6 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         queries = query[:seqs].reshape(seqs, kv_heads, per_kv, size)
         ragged = bool((seq_lens != needed * block_size).any()) or bool((needed != table_cols).any())
         key_pos = torch.arange(table_cols * block_size, device=device)
-        tails = _tail_rows(seq_lens.tolist(), block_size, group, cols, table_cols) if ragged else {}
         outs: list[torch.Tensor] = []
         lses: list[torch.Tensor] = []
         for first in range(0, seqs, group):
@@ -381,10 +380,8 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 if ragged:
                     valid = key_pos[start * block_size : stop * block_size]
                     valid = valid[None, :] < seq_lens[first:last, None]
-                    tail = tails.get((first // group, start // cols))
-                    if tail:  # zero what the cache holds past each sequence's end
-                        index = torch.tensor(tail, device=device)
-                        gathered.view(2, (last - first) * width, -1).index_fill_(1, index, 0)
+                    past_end = (~valid).view(-1).nonzero().view(-1)  # rows, sequence-major
+                    gathered.view(2, (last - first) * width, -1).index_fill_(1, past_end, 0)
                     mask = _additive_mask(valid, dtype)[:, None, None, :]
                     mask = mask.expand(-1, 1, per_kv, -1)
                 out, lse = _FLASH_FOR_CPU(
@@ -409,8 +406,8 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             weights = torch.exp(lse_all - lse).unsqueeze(-1)
             # A chunk a sequence does not reach has weight 0; its output may be garbage.
             terms = out_all * weights
-            if ragged:
-                terms = torch.where(weights > 0, terms, 0.0)
+            if ragged:  # weight 0 only: a NaN weight (a NaN log-sum-exp) stays NaN
+                terms = torch.where(weights == 0, 0.0, terms)
             acc = terms.sum(0)
         if self.sinks is not None:
             sinks = self.sinks.float().view(1, kv_heads, per_kv)
@@ -441,7 +438,9 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         softmax"), so gathered keys/values stay cache-sized and buffers are reused.
         """
         if _use_flash_kernel(self, query, key_src, value_src):
-            return self._attend_flash(query, key_src, value_src, group)
+            queries = query[group.query_index]  # [b, Lq, H, D], padding rows repeat row 0
+            if _finite_queries(queries):
+                return self._attend_flash(queries, key_src, value_src, group)
         kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         seqs, q_len = group.query_index.shape
         k_len = int(group.kv_index.shape[1])
@@ -490,12 +489,13 @@ class CPUAttentionImpl(GroupedAttentionImpl):
 
     def _attend_flash(
         self,
-        query: torch.Tensor,
+        queries: torch.Tensor,
         key_src: torch.Tensor,
         value_src: torch.Tensor,
         group: SeqGroup,
     ) -> torch.Tensor:
-        """``[b, Lq, H, D]`` float32 attention of one group through torch's CPU flash kernel.
+        """``[b, Lq, H, D]`` float32 attention of one group through torch's CPU flash kernel;
+        ``queries`` are the group's ``[b, Lq, H, D]`` query rows (``query[group.query_index]``).
 
         GQA is folded into the query axis: the g query heads of a KV head become g * Lq
         query rows against that KV head, each row carrying its query's mask row. Keys are
@@ -507,13 +507,13 @@ class CPUAttentionImpl(GroupedAttentionImpl):
         kv_heads, per_kv, size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         seqs, q_len = (int(n) for n in group.query_index.shape)
         k_len, rows = int(group.kv_index.shape[1]), per_kv * q_len
-        dtype = query.dtype
-        queries = query[group.query_index].view(seqs, q_len, kv_heads, per_kv, size)
+        dtype = queries.dtype
+        queries = queries.view(seqs, q_len, kv_heads, per_kv, size)
         queries = queries.permute(0, 2, 3, 1, 4).reshape(seqs, kv_heads, rows, size)
         chunk = min(k_len, max(16, _CHUNK_BYTES // (16 * seqs * kv_heads * size)))
         count = seqs * chunk * kv_heads * size
-        key_buf = self._workspace.get("flash_keys", count, dtype, query.device)
-        value_buf = self._workspace.get("flash_values", count, dtype, query.device)
+        key_buf = self._workspace.get("flash_keys", count, dtype, queries.device)
+        value_buf = self._workspace.get("flash_values", count, dtype, queries.device)
         acc: torch.Tensor | None = None
         lse = torch.empty(0)
         for start in range(0, k_len, chunk):
@@ -577,12 +577,27 @@ def _unreached(lse: torch.Tensor, reached: torch.Tensor) -> torch.Tensor:
 def _use_flash_kernel(
     impl: CPUAttentionImpl, query: torch.Tensor, key_src: torch.Tensor, value_src: torch.Tensor
 ) -> bool:
-    """Whether the fused kernel can run this call: no score modifier, no autograd, on CPU."""
+    """Whether the fused kernel can run this call: no score modifier, no autograd, on CPU
+    (the queries it attends must also be finite: :func:`_finite_queries`)."""
     if _FLASH_FOR_CPU is None or query.device.type != "cpu":
         return False
     if impl.logits_soft_cap is not None or impl.alibi_slopes is not None:
         return False
     return not _wants_grad(query, key_src, value_src)
+
+
+def _finite_queries(queries: torch.Tensor) -> bool:
+    """Whether every value of the query rows a call attends (padding tokens left out) is
+    finite, as torch's CPU flash kernel needs them.
+
+    Given fewer than 16 keys and no mask, that kernel takes a row whose scores are all NaN
+    (a NaN query, or an infinite one against keys of both signs) for a row that sees no key:
+    output 0 and a log-sum-exp of 0, a finite result where the float64 reference's softmax
+    is NaN. Such a query takes the explicit softmax instead
+    (:meth:`CPUAttentionImpl._attend_rows`), whose maxima and exponentials carry the NaN.
+    One reduction over the queries a call.
+    """
+    return bool(torch.isfinite(queries).all())
 
 
 def _kernel_applies(query: torch.Tensor, keys: torch.Tensor, metadata: AttentionMetadata) -> bool:
@@ -631,7 +646,7 @@ def _is_pure_decode(
         return False
     if not _token_major_blocks(kv_cache):
         return False
-    if not _use_flash_kernel(impl, query, kv_cache, kv_cache):
+    if not _use_flash_kernel(impl, query, kv_cache, kv_cache) or not _finite_queries(query[:seqs]):
         return False
     starts = metadata.query_start_loc
     return int(starts[-1]) == seqs and bool((starts[1:] - starts[:-1] == 1).all())
@@ -686,35 +701,6 @@ def _decode_chunk(seqs: int, table_cols: int, block_size: int, block_bytes: int)
     cols = min(table_cols, max(1, -(-_DECODE_MIN_KEYS // block_size), blocks // seqs))
     group = max(1, min(seqs, blocks // cols))
     return group, cols
-
-
-def _tail_rows(
-    seq_lens: list[int], block_size: int, group: int, cols: int, table_cols: int
-) -> dict[tuple[int, int], list[int]]:
-    """Rows past each sequence's end in its last block, by decode chunk.
-
-    :meth:`CPUAttentionImpl._decode_flash` gathers whole blocks, so the slots of a
-    sequence's last block past its length come along; they may hold anything (NaN, Inf)
-    and are zeroed after the gather. Chunk ``(i, j)`` holds sequences ``[i * group, ...)``
-    and block columns ``[j * cols, ...)`` (see :func:`_decode_chunk`); its rows are numbered
-    sequence-major within the chunk, ``width = columns * block_size`` rows per sequence.
-
-    Returns:
-        ``{(i, j): row indices}`` for the chunks that hold such rows.
-    """
-    tails: dict[tuple[int, int], list[int]] = {}
-    for seq, seq_len in enumerate(seq_lens):
-        offset = seq_len % block_size
-        if not offset:
-            continue
-        col = seq_len // block_size  # the last block's column
-        start = col - col % cols
-        width = (min(table_cols, start + cols) - start) * block_size
-        base = (seq % group) * width + (col - start) * block_size
-        tails.setdefault((seq // group, col // cols), []).extend(
-            range(base + offset, base + block_size)
-        )
-    return tails
 
 
 class _HeadMajorGather:
