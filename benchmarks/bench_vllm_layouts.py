@@ -3,7 +3,10 @@
 In a model, a layer's attention finds its KV cache out of the CPU caches: the other layers'
 caches and weights went through them since its last call. This benchmark keeps ``--layers``
 caches (one per layer, 30 as SmolLM2's) and between two calls streams ``--flush-mb`` MiB
-(a layer's weights), then times only the attention calls. attn_di's kernel
+(a layer's weights), then times only the attention calls. ``--flush write`` (the default,
+as in the runs of docs/benchmarks.md) adds 1 to the buffer in place, leaving its lines dirty
+for the next call to write back as it evicts them; ``--flush read`` only sums it, as a
+model's GEMMs read their weights. attn_di's kernel
 (``torch.ops.attn_di.paged_attention``) reads each layer's cache through
 ``attn_di.integrations.vllm.backends.kv_cache_view`` of a buffer made by vLLM's own
 ``create_kv_cache_views`` in each ``--layouts`` layout (``LBHNC``: head-major pages, keys
@@ -16,7 +19,8 @@ Every output is checked against a float64 reference of the same batch first.
 Run inside the vLLM venv::
 
     .venv-vllm/bin/python benchmarks/bench_vllm_layouts.py [--threads 2] [--layers 30] \
-        [--flush-mb 16] [--dtypes bfloat16,float32] [--shape 8,1,560,9,3,64,128]
+        [--flush-mb 16] [--flush write|read] [--dtypes bfloat16,float32] \
+        [--shape 8,1,560,9,3,64,128]
 """
 
 from __future__ import annotations
@@ -108,6 +112,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--flush-mb", type=int, default=16, help="MiB streamed between calls")
+    parser.add_argument(
+        "--flush", choices=("write", "read"), default="write", help="how the MiB are streamed"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=6, help="passes over the layers a round")
     parser.add_argument("--dtypes", default="bfloat16,float32")
@@ -126,8 +133,12 @@ def main() -> None:
         raise SystemExit(f"CPU_ATTN's kernel is not loaded: {status.describe()}")
     print(f"CPU: {cpu_model()}; flags: {cpu_flags()}; threads: {options.threads}; "
           f"attn_di kernel: {status.describe()}")  # fmt: skip
-    print(f"shape {shape}; {options.layers} layers; {options.flush_mb} MiB streamed between calls")
-    flush = torch.ones(options.flush_mb * 1024 * 256) if options.flush_mb else None
+    print(f"shape {shape}; {options.layers} layers; {options.flush_mb} MiB streamed between "
+          f"calls ({options.flush})")  # fmt: skip
+    buffer = torch.ones(options.flush_mb * 1024 * 256) if options.flush_mb else None
+    flush: Callable[[], object] | None = None
+    if buffer is not None:
+        flush = buffer.sum if options.flush == "read" else lambda: buffer.add_(1.0)
     for dtype_name in options.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         isa = vllm_isa(dtype, shape, None)
@@ -139,7 +150,7 @@ def main() -> None:
                 for _ in range(options.calls):
                     for layer in layers:
                         if flush is not None:
-                            flush.add_(1.0)
+                            flush()
                         start = time.perf_counter()
                         layer[name]()
                         spent += time.perf_counter() - start

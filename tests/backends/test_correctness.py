@@ -373,3 +373,41 @@ def test_cpu_attn_a_non_finite_value_stays_in_its_sequence(
     assert torch.equal(out.isnan(), expected.isnan())
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [([1, 1, 1, 1], [257, 257, 257, 257]), ([2], [1025])],
+    ids=["decode", "speculative"],
+)
+def test_cpu_attn_pure_torch_an_infinite_key_alone_in_a_chunk_weighs_nothing(
+    query_lens: list[int], seq_lens: list[int], dtype: torch.dtype
+) -> None:
+    """A key of score -inf (its channel 0 -inf against positive queries) as the only key of
+    sequence 0's last key chunk (256-key chunks in decode, 1024 in the speculative batch,
+    with 8 KV heads of 128) gets no weight: torch's CPU flash kernel gives such a chunk a
+    log-sum-exp of 0, which merged as a key of score 0 outweighed the real keys (every
+    score about -9 here) and gave a wrong finite row."""
+    from attn_di.backends import _cpu_kernel, cpu_attn
+
+    opts = Options(num_heads=8, num_kv_heads=8, head_size=128)
+    batch = make_batch(opts, query_lens, seq_lens, 16, dtype)
+    q_len, last = query_lens[0], seq_lens[0] - 1
+    batch.query[:q_len, :, 0] = batch.query[:q_len, :, 0].abs() + 0.5
+    batch.query[:q_len, :, 1] = -5.0
+    for keys in (batch.kv_cache[0], batch.key, *batch.full_keys):
+        keys[..., 1] = 20.0  # with the queries' -5: every real score about -9
+    batch.key[q_len - 1, :, 0] = -math.inf  # sequence 0's last key, every KV head
+    batch.full_keys[0][last, :, 0] = -math.inf
+    expected = reference_attention(opts, batch)
+    assert bool(torch.isfinite(expected).all())
+    impl = cpu_attn.CPUAttentionImpl(**opts.impl_kwargs())
+
+    with _cpu_kernel.pure_torch():
+        out = impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+        )
+
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)

@@ -384,12 +384,12 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                     gathered.view(2, (last - first) * width, -1).index_fill_(1, past_end, 0)
                     mask = _additive_mask(valid, dtype)[:, None, None, :]
                     mask = mask.expand(-1, 1, per_kv, -1)
-                out, lse = _FLASH_FOR_CPU(
+                out, lse = _chunk_attention(
                     queries[first:last],
                     keys.view(shape).transpose(1, 2),
                     values.view(shape).transpose(1, 2),
-                    attn_mask=mask,
-                    scale=self.scale,
+                    mask,
+                    self.scale,
                 )
                 if valid is not None:  # a sequence that ends before the chunk: weight 0
                     lse = _unreached(lse, valid.any(-1)[:, None, None])
@@ -409,9 +409,8 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             if ragged:  # weight 0 only: a NaN weight (a NaN log-sum-exp) stays NaN
                 terms = torch.where(weights == 0, 0.0, terms)
             acc = terms.sum(0)
-        if self.sinks is not None:
-            sinks = self.sinks.float().view(1, kv_heads, per_kv)
-            acc = acc * torch.sigmoid(lse - sinks).unsqueeze(-1)
+        sinks = None if self.sinks is None else self.sinks.float().view(1, kv_heads, per_kv, 1)
+        acc = _finish_rows(acc, lse.unsqueeze(-1), sinks)
         rows[:seqs] = acc.view(seqs, self.num_heads, size).to(rows.dtype)
 
     def _attend(
@@ -483,7 +482,11 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             denom = denom * rescale + weights.sum(dim=-1, keepdim=True)
             acc = acc * rescale + torch.bmm(weights, v_mat)
             peak = new_peak
-        attended = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)
+        # denom >= 1 wherever a score or a finite sink is the maximum; 0 where every visible
+        # score is -inf and no finite sink: NaN then, as the reference's softmax (a where, not
+        # 0 / 0, so that the padding rows, which see no key, pass no NaN to the gradients).
+        tiny = torch.finfo(torch.float32).tiny
+        attended = torch.where(denom > 0, acc / denom.clamp_min(tiny), float("nan"))
         attended = attended.view(kv_heads, seqs, per_kv, q_len, size).permute(1, 3, 0, 2, 4)
         return attended.reshape(seqs, q_len, self.num_heads, size)
 
@@ -527,12 +530,12 @@ class CPUAttentionImpl(GroupedAttentionImpl):
             allowed = group.allowed[:, None, None, :, start:stop]
             mask = _additive_mask(allowed, dtype)
             mask = mask.expand(seqs, 1, per_kv, q_len, width).reshape(seqs, 1, rows, width)
-            out, chunk_lse = _FLASH_FOR_CPU(
+            out, chunk_lse = _chunk_attention(
                 queries,
                 keys.view(seqs, width, kv_heads, size).transpose(1, 2),
                 values.view(seqs, width, kv_heads, size).transpose(1, 2),
-                attn_mask=mask,
-                scale=self.scale,
+                mask,
+                self.scale,
             )
             chunk_lse = chunk_lse.float()  # [b, H_kv, g * Lq]
             reached = allowed.any(-1).expand(seqs, 1, per_kv, q_len).reshape(seqs, 1, rows)
@@ -548,9 +551,11 @@ class CPUAttentionImpl(GroupedAttentionImpl):
                 acc = acc * torch.exp(lse - finite) + out.float() * torch.exp(chunk_lse - finite)
                 lse = merged
         assert acc is not None
+        sinks = None
         if self.sinks is not None:
             sinks = self.sinks.float().view(1, kv_heads, per_kv, 1).expand(1, -1, -1, q_len)
-            acc = acc * torch.sigmoid(lse - sinks.reshape(1, kv_heads, rows, 1))
+            sinks = sinks.reshape(1, kv_heads, rows, 1)
+        acc = _finish_rows(acc, lse, sinks)
         acc = acc.view(seqs, kv_heads, per_kv, q_len, size).permute(0, 3, 1, 2, 4)
         return acc.reshape(seqs, q_len, self.num_heads, size)
 
@@ -565,6 +570,54 @@ def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     float32 scores, so any finite value (``finfo(float16).min`` is -65504) could outscore
     real scores below it."""
     return torch.where(allowed, 0.0, float("-inf")).to(dtype)
+
+
+def _chunk_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of one key chunk: ``out`` ``[b, H_kv, rows, D]`` in the query dtype,
+    ``lse`` ``[b, H_kv, rows]`` float32, for ``queries`` ``[b, H_kv, rows, D]``, ``keys`` and
+    ``values`` ``[b, H_kv, width, D]`` and an additive ``mask`` ``[b, 1, rows, width]`` (or
+    None).
+
+    torch's CPU flash kernel where every key is finite. Where one is not, the same softmax
+    written out in float32: that kernel gives a row whose scores are all -inf (an infinite
+    key against a query of the other sign) an output of 0 and a log-sum-exp of 0, which the
+    chunk merge would count as a key of score 0, and in bfloat16 / float16 it turns a +inf
+    score into a finite row. Here such a row gets a log-sum-exp of -inf and an output of 0
+    (weight 0 in the merge, :func:`_finish_rows` after it), and a +inf or NaN score makes
+    its row NaN, as in the float64 reference.
+    """
+    if bool(torch.isfinite(keys).all()):
+        out, lse = _FLASH_FOR_CPU(queries, keys, values, attn_mask=mask, scale=scale)
+        return out, lse
+    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, -1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
+    out = out.masked_fill((lse == float("-inf")).unsqueeze(-1), 0.0)
+    return out.to(queries.dtype), lse
+
+
+def _finish_rows(acc: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The merged rows ``acc`` (``[..., D]`` float32, log-sum-exps ``lse`` ``[..., 1]``) with
+    the sinks applied (``sinks`` broadcastable to ``lse``: ``acc * sigmoid(lse - sink)``).
+
+    A row whose every visible score was -inf (``lse`` -inf: every query row sees a key) is
+    NaN, as the float64 reference's softmax (-inf - -inf), or 0 where its head has a finite
+    sink, which then takes all the weight.
+    """
+    dead = lse == float("-inf")
+    acc = acc.masked_fill(dead, float("nan"))
+    if sinks is None:
+        return acc
+    acc = acc * torch.sigmoid(lse - sinks)
+    return acc.masked_fill(dead & (sinks > float("-inf")), 0.0)
 
 
 def _unreached(lse: torch.Tensor, reached: torch.Tensor) -> torch.Tensor:
