@@ -411,3 +411,26 @@ def test_cpu_attn_pure_torch_an_infinite_key_alone_in_a_chunk_weighs_nothing(
 
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("encoder_only", [True, False], ids=["encoder", "decoder"])
+def test_alibi_over_long_sequences_keeps_bfloat16_accuracy(
+    backend_cls: type[AttentionBackend], encoder_only: bool
+) -> None:
+    """ALiBi biases of ~30 (slope 0.23 over 137 positions) keep the bfloat16 tolerance: a
+    backend that rounds the bias to bfloat16 (steps of 0.125 there) misses it by ~3x, as
+    TORCH_SDPA's bfloat16 mask did over bidirectional sequences."""
+    opts = Options(
+        num_heads=1, num_kv_heads=1, head_size=80, alibi_slopes=[0.2298], encoder_only=encoder_only
+    )
+    batch = make_batch(opts, [138], [138], 16, torch.bfloat16, seed=100)
+    try:
+        impl = backend_cls.get_impl_cls()(**opts.impl_kwargs())
+        out = impl.forward(
+            None, batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata
+        )
+    except UnsupportedFeatureError:
+        pytest.skip(f"{backend_cls.get_name()} declares no ALiBi or encoder attention")
+
+    tol = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(out.double(), reference_attention(opts, batch), atol=tol, rtol=tol)
