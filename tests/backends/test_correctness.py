@@ -11,6 +11,7 @@ value product (2**-8 for bf16, 2**-11 for fp16) accumulated over a few hundred k
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -349,8 +350,6 @@ def test_cpu_attn_a_non_finite_value_stays_in_its_sequence(
     block tables are shorter: the pure-torch decode path gathers whole blocks, its unused
     block-table entries name the longest sequence's first block, and a masked key's
     probability of 0 times Inf is NaN unless those rows are zeroed."""
-    import contextlib
-
     from attn_di.backends import _cpu_kernel, cpu_attn
 
     monkeypatch.setattr(cpu_attn, "_DECODE_CHUNK_BYTES", chunk_bytes)
