@@ -11,21 +11,24 @@ reads another's cache. Two engine modes (``--modes``):
 
 Each mode runs in a process of its own (vLLM reads its environment once). For each dtype the
 two contenders run alternately, ``--rounds`` times, each round on a freshly built engine with
-one warm-up generation first; every worker is then asked (``collective_rpc``) which impl its
-attention layers ran, so a row is never another backend's. The table shows the median over
-rounds of:
+one warm-up generation first and then ``--repeats`` timed generations of ``--new-tokens``
+greedy tokens (fresh random prompts for each); every worker is then asked (``collective_rpc``)
+which impl its attention layers ran, so a row is never another backend's. The two rates come
+from vLLM's own request stats of the same generation (``disable_log_stats=False``, the
+``RequestStateStats`` each output carries), so neither is a difference of two generations'
+wall times. The table shows the median over all timed generations of:
 
-* time to first token: the wall time of a generation of one token for all 8 prompts (their
-  prefill, done in vLLM's chunked steps);
-* decode tokens/s: ``8 * 63`` tokens over the wall time of a 64-token generation minus that
-  of the one-token one (fresh random prompts for each);
-* total wall: the 64-token generation.
+* time to first token: the longest of the 8 requests' ``first_token_latency`` (arrival at the
+  engine to its first token, vLLM's TTFT: their prefill, one scheduler step here);
+* decode tokens/s: the tokens after each request's first (``8 * 63``) over the engine core's
+  time from the earliest first token to the latest last token;
+* total wall: the generation's wall time.
 
 Also whether the two contenders' greedy tokens are equal. Targets (issue 23): time to first
 token <= 1.0x and decode tokens/s >= 1.0x of vLLM's own in both dtypes and both modes.
 Run: ``.venv-vllm/bin/python benchmarks/bench_vllm.py`` (``--markdown``: the rows as a
 markdown table, which docs/benchmarks.md condenses; ``--prompts 2 --prompt-len 64 --new-tokens 8
---rounds 1 --dtypes float32`` to smoke-test). The SmolLM2 folder is the one
+--rounds 1 --repeats 1 --dtypes float32`` to smoke-test). The SmolLM2 folder is the one
 ``scripts/setup-vllm.sh`` makes.
 """
 
@@ -99,15 +102,35 @@ def greedy(tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
 
 
-def measure(
-    folder: Path, name: str, dtype: str, args: argparse.Namespace, seed: int
-) -> tuple[float, float, float, list[list[int]]]:
-    """(first-token s, decode tokens/s, total s, tokens of the 64-token run) on a new engine.
+Sample = tuple[float, float, float]  # first-token s, decode tokens/s, total wall s
+
+
+def rates(outputs: list[Any], wall: float) -> Sample:
+    """(first-token s, decode tokens/s, total s) of one generation, from vLLM's request stats.
 
     Raises:
-        SystemExit: a worker's attention layers ran another impl than ``name``'s.
+        SystemExit: an output carries no stats (the engine was built with log stats off).
+    """
+    stats = [output.metrics for output in outputs]
+    if any(stat is None or stat.num_generation_tokens < 2 for stat in stats):
+        raise SystemExit(f"{MODE} mode: an output has no request stats of 2+ tokens: {stats}")
+    ttft = max(stat.first_token_latency for stat in stats)
+    span = max(stat.last_token_ts for stat in stats) - min(stat.first_token_ts for stat in stats)
+    tokens = sum(stat.num_generation_tokens - 1 for stat in stats)
+    return ttft, tokens / max(span, 1e-9), wall
+
+
+def measure(
+    folder: Path, name: str, dtype: str, args: argparse.Namespace, seed: int
+) -> tuple[list[Sample], list[list[int]]]:
+    """The samples of ``args.repeats`` generations on a new engine, and the first one's tokens.
+
+    Raises:
+        SystemExit: a worker's attention layers ran another impl than ``name``'s, or an output
+            carries no request stats.
     """
     class_path = CONTENDERS[name]
+    samples: list[Sample] = []
     with attn_di.use_container():
         if class_path is not None:
             attn_di.register_backend(attn_di.AttentionBackendEnum.CPU_ATTN, class_path)
@@ -118,20 +141,21 @@ def measure(
             max_model_len=args.prompt_len + args.new_tokens + 16,
             max_num_seqs=args.prompts,
             enable_prefix_caching=False,
+            disable_log_stats=False,  # the request stats that rates() reads
             seed=0,
         )
         try:
             vocab = llm.llm_engine.model_config.get_vocab_size()
             warm_up = random_prompts(args.prompts, args.prompt_len, 1, vocab)
             llm.generate(warm_up, greedy(4), use_tqdm=False)
-            first = random_prompts(args.prompts, args.prompt_len, seed, vocab)
-            start = time.perf_counter()
-            llm.generate(first, greedy(1), use_tqdm=False)
-            ttft = time.perf_counter() - start
-            full = random_prompts(args.prompts, args.prompt_len, seed + 1, vocab)
-            start = time.perf_counter()
-            outputs = llm.generate(full, greedy(args.new_tokens), use_tqdm=False)
-            total = time.perf_counter() - start
+            generated: list[list[int]] = []
+            for repeat in range(args.repeats):
+                prompts = random_prompts(args.prompts, args.prompt_len, seed * 100 + repeat, vocab)
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, greedy(args.new_tokens), use_tqdm=False)
+                samples.append(rates(outputs, time.perf_counter() - start))
+                if not generated:
+                    generated = [list(o.outputs[0].token_ids) for o in outputs]
             ran = llm.collective_rpc(worker_impls)
             if not ran or not all(
                 impls and all(impl.startswith(IMPL_MODULES[name]) for impl in impls)
@@ -142,8 +166,7 @@ def measure(
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
-    decode = args.prompts * (args.new_tokens - 1) / max(total - ttft, 1e-9)
-    return ttft, decode, total, [list(o.outputs[0].token_ids) for o in outputs]
+    return samples, generated
 
 
 Row = tuple[str, str, str, float, float, float, float, float, bool]
@@ -155,14 +178,12 @@ def measure_mode(folder: Path, args: argparse.Namespace) -> list[Row]:
     assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
     rows: list[Row] = []
     for dtype in args.dtypes.split(","):
-        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in CONTENDERS}
+        results: dict[str, list[Sample]] = {name: [] for name in CONTENDERS}
         tokens: dict[str, list[list[int]]] = {}
         for round_index in range(args.rounds):
             for name in CONTENDERS:
-                ttft, decode, total, generated = measure(
-                    folder, name, dtype, args, seed=100 + round_index
-                )
-                results[name].append((ttft, decode, total))
+                samples, generated = measure(folder, name, dtype, args, seed=100 + round_index)
+                results[name].extend(samples)
                 tokens.setdefault(name, generated)
         reference = "vLLM CPU_ATTN"
         base = [statistics.median(r[i] for r in results[reference]) for i in range(3)]
@@ -211,7 +232,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=500)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3, help="alternating repetitions")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating fresh engines")
+    parser.add_argument("--repeats", type=int, default=2, help="timed generations per engine")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument(
         "--modes", default=",".join(MODES), help="eager (in-process, enforce_eager), default"
@@ -221,7 +243,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2")
-    for option in ("rounds", "prompts", "prompt_len"):
+    for option in ("rounds", "repeats", "prompts", "prompt_len"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1")
     dtypes = args.dtypes.split(",")
@@ -243,7 +265,8 @@ def main() -> None:
     print(
         f"# {cpu_model()} ({cpu_flags()}), torch {torch.__version__}, "
         f"{torch.get_num_threads()} torch threads, {os.cpu_count()} cores, load {load:.1f}; "
-        f"{args.prompts} x {args.prompt_len} tokens + {args.new_tokens} new, {args.rounds} rounds"
+        f"{args.prompts} x {args.prompt_len} tokens + {args.new_tokens} new, "
+        f"{args.rounds} rounds of {args.repeats} generations"
     )
     argv = [arg for arg in sys.argv[1:] if arg != "--markdown"]
     passed: list[str] = []
