@@ -18,10 +18,13 @@ from vLLM's own request stats of the same generation (``disable_log_stats=False`
 ``RequestStateStats`` each output carries), so neither is a difference of two generations'
 wall times. The table shows the median over all timed generations of:
 
-* time to first token: the longest of the 8 requests' ``first_token_latency`` (arrival at the
-  engine to its first token, vLLM's TTFT: their prefill, one scheduler step here);
-* decode tokens/s: the tokens after each request's first (``8 * 63``) over the engine core's
-  time from the earliest first token to the latest last token;
+* time to first token: the longest of the 8 requests' ``first_token_latency`` (vLLM's TTFT:
+  arrival at the front end to the first token; here the prefill of all 8 prompts, in one
+  scheduler step, or two when the first request arrives alone);
+* decode tokens/s: the batch (8) over the time of a decode step: the time from first to last
+  token over the 63 tokens after the first, of the requests whose first token came last (in the
+  multiprocess engine the first request may arrive alone and be prefilled before the others
+  arrive, so it decodes while they prefill);
 * total wall: the generation's wall time.
 
 Also whether the two contenders' greedy tokens are equal. Targets (issue 23): time to first
@@ -108,6 +111,11 @@ Sample = tuple[float, float, float]  # first-token s, decode tokens/s, total wal
 def rates(outputs: list[Any], wall: float) -> Sample:
     """(first-token s, decode tokens/s, total s) of one generation, from vLLM's request stats.
 
+    The decode rate is the batch over the time of one decode step: the median over the
+    requests that reached their first token last (all of them in the in-process engine; in the
+    multiprocess engine the first request may arrive alone and be prefilled before the others)
+    of their time from first to last token over their tokens after the first.
+
     Raises:
         SystemExit: an output carries no stats (the engine was built with log stats off).
     """
@@ -115,9 +123,13 @@ def rates(outputs: list[Any], wall: float) -> Sample:
     if any(stat is None or stat.num_generation_tokens < 2 for stat in stats):
         raise SystemExit(f"{MODE} mode: an output has no request stats of 2+ tokens: {stats}")
     ttft = max(stat.first_token_latency for stat in stats)
-    span = max(stat.last_token_ts for stat in stats) - min(stat.first_token_ts for stat in stats)
-    tokens = sum(stat.num_generation_tokens - 1 for stat in stats)
-    return ttft, tokens / max(span, 1e-9), wall
+    decoding = max(stat.first_token_ts for stat in stats)  # every request decodes from here
+    step = statistics.median(
+        (stat.last_token_ts - stat.first_token_ts) / (stat.num_generation_tokens - 1)
+        for stat in stats
+        if stat.first_token_ts == decoding
+    )
+    return ttft, len(stats) / max(step, 1e-9), wall
 
 
 def measure(
