@@ -609,11 +609,11 @@ inline void prefetch_row(const T* row, int64_t kv_heads, int64_t size, int64_t h
 
 // Pass 1 fetches the value rows pass 2 will read into L2 while it streams the keys: two streams
 // in flight where there was one, and pass 2 then reads from L2. Only for items whose value rows
-// fit in half this core's L2 (sysconf's size where glibc gives it, else 256 KiB), so that pass 1's own key stream
-// does not evict them first: SmolLM2's decode on one core (560 x 3 x 64, 430 KB of float32),
+// fit in half this core's L2 (sysconf's size where glibc gives it, else 256 KiB), so that pass
+// 1's own key stream does not evict them first: SmolLM2's decode on one core (560 x 3 x 64, 430 KB of float32),
 // not B8 x 2048 at 8 x 128 (8 MB an item). Measured on an AMD EPYC (1 MB L2): SmolLM2's decode
-// from 30 layers' caches 1.02-1.11x -> 0.85-0.94x of vLLM's op in float32, 1.19-1.24x ->
-// 0.89-0.90x in bfloat16; with warm caches and where the rows do not fit, unchanged.
+// from 30 layers' caches 1.02-1.16x -> 0.80-0.94x of vLLM's op in float32, 1.19-1.25x ->
+// 0.89-0.93x in bfloat16; with warm caches, and where the rows do not fit, within the spread.
 inline int64_t l2_prefetch_budget() {
   static const int64_t budget = [] {
 #if defined(_SC_LEVEL2_CACHE_SIZE)
