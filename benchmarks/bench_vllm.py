@@ -13,10 +13,13 @@ Each mode runs in a process of its own (vLLM reads its environment once). For ea
 two contenders run alternately, ``--rounds`` times, each round on a freshly built engine with
 one warm-up generation first and then ``--repeats`` timed generations of ``--new-tokens``
 greedy tokens (fresh random prompts for each); every worker is then asked (``collective_rpc``)
-which impl its attention layers ran, so a row is never another backend's. The two rates come
-from vLLM's own request stats of the same generation (``disable_log_stats=False``, the
-``RequestStateStats`` each output carries), so neither is a difference of two generations'
-wall times. The table shows the median over all timed generations of:
+which impl its attention layers ran, so a row is never another backend's. No round runs beside
+another engine: before an engine is built the script waits (up to 60 s, then stops) until no
+process with vLLM's process title runs on the machine, and after its shutdown until the engine's
+own processes have exited (vLLM kills an engine core slow to stop; its worker can outlive it).
+The two rates come from vLLM's own request stats of the same generation
+(``disable_log_stats=False``, the ``RequestStateStats`` each output carries), so neither is a
+difference of two generations' wall times. The table shows the median over all timed generations of:
 
 * time to first token: the longest of the 8 requests' ``first_token_latency`` (vLLM's TTFT:
   arrival at the front end to the first token; here the prefill of all 8 prompts, in one
@@ -53,6 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+import psutil  # a dependency of vLLM's
 import torch
 from vllm.inputs import TokensPrompt
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -62,6 +66,7 @@ from _machine import cpu_flags, cpu_model  # beside this script (the script's fo
 from _vllm_workers import worker_impls
 from attn_di.integrations import vllm as bridge
 from vllm import LLM, SamplingParams
+from vllm import envs as vllm_envs
 
 CONTENDERS = {
     "vLLM CPU_ATTN": None,
@@ -78,6 +83,7 @@ IMPL_MODULES = {
     "vLLM CPU_ATTN": "vllm.v1.attention.backends.cpu_attn",
     "attn_di CPU_ATTN": "attn_di.integrations.vllm.",
 }
+EXIT_TIMEOUT_S = 60.0  # how long an engine's processes get to exit before a round fails
 
 
 def model_folder() -> Path:
@@ -103,6 +109,46 @@ def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[Any]:
 
 def greedy(tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+def engine_processes() -> list[psutil.Process]:
+    """This process's descendants but multiprocessing's resource tracker (which lives as long
+    as this process): the engine core and workers of the multiprocess engine."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if "multiprocessing.resource_tracker" not in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.ZombieProcess:
+            found.append(process)  # exited, not yet reaped: wait_procs reaps it
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def vllm_processes() -> list[psutil.Process]:
+    """The processes on this machine that carry vLLM's process title (``VLLM::EngineCore``,
+    ``VLLM::Worker``...), whoever started them."""
+    prefix = f"{vllm_envs.VLLM_PROCESS_NAME_PREFIX}::"
+    return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith(prefix)]
+
+
+def wait_for_exit(processes: list[psutil.Process], when: str) -> None:
+    """Wait up to EXIT_TIMEOUT_S for ``processes`` to exit, so that no round runs beside another
+    engine's processes (vLLM's shutdown kills an engine core that is slow to stop, and the
+    worker it started may outlive it for a while).
+
+    Raises:
+        SystemExit: some are still running; they are named.
+    """
+    start = time.perf_counter()
+    _, alive = psutil.wait_procs(processes, timeout=EXIT_TIMEOUT_S)
+    waited = time.perf_counter() - start
+    if waited > 0.5:  # said, so that a run shows how often an engine outlived its shutdown
+        print(f"{when}: waited {waited:.1f} s for {len(processes)} to exit", file=sys.stderr)
+    if alive:
+        names = ", ".join(f"{p.pid} {p.name()}" for p in alive)
+        raise SystemExit(f"{when}: still running after {EXIT_TIMEOUT_S:.0f} s: {names}")
 
 
 Sample = tuple[float, float, float]  # first-token s, decode tokens/s, total wall s
@@ -138,11 +184,13 @@ def measure(
     """The samples of ``args.repeats`` generations on a new engine, and the first one's tokens.
 
     Raises:
-        SystemExit: a worker's attention layers ran another impl than ``name``'s, or an output
-            carries no request stats.
+        SystemExit: a worker's attention layers ran another impl than ``name``'s, an output
+            carries no request stats, or vLLM processes (an earlier engine's, or another
+            program's) run before the engine is built or after it is shut down.
     """
     class_path = CONTENDERS[name]
     samples: list[Sample] = []
+    wait_for_exit(vllm_processes(), f"before {name}'s {MODE} engine, vLLM processes")
     with attn_di.use_container():
         if class_path is not None:
             attn_di.register_backend(attn_di.AttentionBackendEnum.CPU_ATTN, class_path)
@@ -156,6 +204,7 @@ def measure(
             disable_log_stats=False,  # the request stats that rates() reads
             seed=0,
         )
+        started = engine_processes()
         try:
             vocab = llm.llm_engine.model_config.get_vocab_size()
             warm_up = random_prompts(args.prompts, args.prompt_len, 1, vocab)
@@ -178,6 +227,7 @@ def measure(
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
+            wait_for_exit(started, f"after {name}'s {MODE} engine shut down, its processes")
     return samples, generated
 
 
