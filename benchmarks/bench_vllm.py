@@ -28,7 +28,11 @@ difference of two generations' wall times. The table shows the median over all t
   token over the 63 tokens after the first, of the requests whose first token came last (in the
   multiprocess engine the first request may arrive alone and be prefilled before the others
   arrive, so it decodes while they prefill);
-* total wall: the generation's wall time.
+* total wall: the generation's wall time;
+
+each with its ratio to vLLM's and, in parentheses, the lowest and highest of the rounds' ratios
+(a round's: the median of its generations, the two contenders' engines built one after the
+other).
 
 Also whether the two contenders' greedy tokens are equal. Targets (issue 23): time to first
 token <= 1.0x and decode tokens/s >= 1.0x of vLLM's own in both dtypes and both modes.
@@ -231,12 +235,24 @@ def measure(
     return samples, generated
 
 
-Row = tuple[str, str, str, float, float, float, float, float, bool]
+# mode, dtype, contender, first-token s, its ratio, the lowest and highest of the rounds' ratios,
+# decode tok/s, its ratio, the rounds' lowest and highest, total s, greedy tokens equal to vLLM's
+Row = tuple[str, str, str, float, float, float, float, float, float, float, float, float, bool]
+
+
+def round_ratios(mine: list[Sample], base: list[Sample], repeats: int, i: int) -> list[float]:
+    """Per round, the median of field ``i`` of ``mine``'s generations over ``base``'s (both in
+    round order, ``repeats`` generations a round): the spread of a row's ratio."""
+    return [
+        statistics.median(r[i] for r in mine[k : k + repeats])
+        / statistics.median(r[i] for r in base[k : k + repeats])
+        for k in range(0, len(base), repeats)
+    ]
 
 
 def measure_mode(folder: Path, args: argparse.Namespace) -> list[Row]:
     """The rows of this process's mode (MODE): per dtype and contender, the medians over
-    rounds and their ratios to vLLM's own CPU_ATTN."""
+    rounds, their ratios to vLLM's own CPU_ATTN, and the range of the rounds' ratios."""
     assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
     rows: list[Row] = []
     for dtype in args.dtypes.split(","):
@@ -251,10 +267,12 @@ def measure_mode(folder: Path, args: argparse.Namespace) -> list[Row]:
         base = [statistics.median(r[i] for r in results[reference]) for i in range(3)]
         for name in CONTENDERS:
             ttft, decode, total = (statistics.median(r[i] for r in results[name]) for i in range(3))
+            first = round_ratios(results[name], results[reference], args.repeats, 0)
+            step = round_ratios(results[name], results[reference], args.repeats, 1)
             same = tokens[name] == tokens[reference]
-            rows.append(
-                (MODE, dtype, name, ttft, ttft / base[0], decode, decode / base[1], total, same)
-            )
+            first_token = (ttft, ttft / base[0], min(first), max(first))
+            decoding = (decode, decode / base[1], min(step), max(step))
+            rows.append((MODE, dtype, name, *first_token, *decoding, total, same))
     return rows
 
 
@@ -343,20 +361,21 @@ def main() -> None:
     rows = [row for mode in modes for row in run_mode(mode, passed)]
     if args.markdown:
         print(
-            "| mode | dtype | contender | first token s | vs vLLM | decode tok/s | vs vLLM "
-            "| total s | same tokens |"
+            "| mode | dtype | contender | first token s | vs vLLM (rounds) | decode tok/s "
+            "| vs vLLM (rounds) | total s | same tokens |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
-        for mode, dtype, name, ttft, r1, decode, r2, total, same in rows:
+        for mode, dtype, name, ttft, r1, lo1, hi1, decode, r2, lo2, hi2, total, same in rows:
             print(
-                f"| {mode} | {dtype} | {name} | {ttft:.2f} | {r1:.2f}x | {decode:.0f} "
-                f"| {r2:.2f}x | {total:.2f} | {same} |"
+                f"| {mode} | {dtype} | {name} | {ttft:.2f} | {r1:.2f}x ({lo1:.2f}-{hi1:.2f}) "
+                f"| {decode:.0f} | {r2:.2f}x ({lo2:.2f}-{hi2:.2f}) | {total:.2f} | {same} |"
             )
     else:
-        for mode, dtype, name, ttft, r1, decode, r2, total, same in rows:
+        for mode, dtype, name, ttft, r1, lo1, hi1, decode, r2, lo2, hi2, total, same in rows:
             print(
-                f"{mode:7} {dtype:9} {name:17} first token {ttft:6.2f} s ({r1:4.2f}x)  "
-                f"decode {decode:7.1f} tok/s ({r2:4.2f}x)  total {total:6.2f} s  same tokens {same}"
+                f"{mode:7} {dtype:9} {name:17} first token {ttft:6.2f} s ({r1:4.2f}x, "
+                f"rounds {lo1:4.2f}-{hi1:4.2f})  decode {decode:7.1f} tok/s ({r2:4.2f}x, "
+                f"rounds {lo2:4.2f}-{hi2:4.2f})  total {total:6.2f} s  same tokens {same}"
             )
 
 
