@@ -15,11 +15,13 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -444,6 +446,43 @@ def test_one_openmp_runtime() -> None:
         libraries = {line.split()[-1] for line in maps if "gomp" in line.split()[-1]}
 
     assert len(libraries) == 1, libraries
+
+
+@requires_kernel
+@pytest.mark.skipif(
+    shutil.which("objdump") is None or platform.machine() != "x86_64",
+    reason="reads the x86-64 build's instructions with binutils' objdump",
+)
+def test_the_build_keeps_the_prefetches_its_source_asks_for() -> None:
+    """GCC deletes every call of a helper made only of ``__builtin_prefetch`` that it did not
+    inline first (kernel.h's ATTN_DI_PREFETCH_HELPER): the loaded build's decode kernel keeps,
+    per dtype, its L2 value prefetch (PREFETCHT1) and its key and value row touches, and its
+    prefill kernel its query and output prefetches."""
+    listing = subprocess.run(
+        ["objdump", "-d", "-C", "--no-show-raw-insn", str(_cpu_kernel.build())],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    found: dict[str, Counter[str]] = {}
+    owner = ""
+    member = re.compile(r"[0-9a-f]+ <attn_di_kernel::[^<]*((?:Kernel|Prefill)<[^>]*>)::")
+    for line in listing.splitlines():
+        if header := member.match(line):
+            owner = header.group(1)
+        elif line.endswith(">:"):
+            owner = ""
+        elif owner and (op := re.search(r"\s(prefetch\w*)\s", line)):
+            found.setdefault(owner, Counter())[op.group(1)] += 1
+    dtypes = ("float", "c10::BFloat16", "c10::Half")
+
+    for dtype in dtypes:
+        decode = found.get(f"Kernel<{dtype}>", Counter())
+        assert decode["prefetcht1"] >= 1, (dtype, found)
+        assert decode["prefetcht0"] >= 2, (dtype, found)
+    prefill = {owner: sum(count.values()) for owner, count in found.items() if "Prefill<" in owner}
+    assert len(prefill) == 5, found
+    assert min(prefill.values()) >= 2, found
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no compiler")

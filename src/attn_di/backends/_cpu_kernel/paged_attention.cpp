@@ -588,17 +588,19 @@ inline const float* as_float(const T* row, int64_t kv_heads, int64_t size, int64
 // Token rows touched ahead of use, one line per 4 KiB: a token row (H_kv * D values) is often
 // a page of its own, and the hardware prefetchers stop at page boundaries, so each row would
 // otherwise start with a full miss (measured: ~10-30% of a cold decode on the dev machine).
+// Until 2026-12-07 GCC deleted these calls in the decode kernel (ATTN_DI_PREFETCH_HELPER in
+// kernel.h says how); they now run where rows_span_pages says they pay.
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kPageBytes = 4096;
 
-inline void prefetch_span(const void* start, int64_t bytes) {
+ATTN_DI_PREFETCH_HELPER void prefetch_span(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
   for (int64_t off = 0; off < bytes; off += kPageBytes) __builtin_prefetch(p + off, 0, 3);
 }
 
 // A token row's heads ahead of use: one span where the heads are adjacent, else each head.
 template <typename T>
-inline void prefetch_row(const T* row, int64_t kv_heads, int64_t size, int64_t head_stride) {
+ATTN_DI_PREFETCH_HELPER void prefetch_row(const T* row, int64_t kv_heads, int64_t size, int64_t head_stride) {
   if (head_stride == size) {
     prefetch_span(row, kv_heads * size * static_cast<int64_t>(sizeof(T)));
     return;
@@ -607,13 +609,27 @@ inline void prefetch_row(const T* row, int64_t kv_heads, int64_t size, int64_t h
     prefetch_span(row + g * head_stride, size * static_cast<int64_t>(sizeof(T)));
 }
 
+// Whether a cache's token rows are worth prefetch_row: their spans (a row, or a head's row
+// where the heads are apart) are half a page or more. Shorter rows share their pages with the
+// next tokens', which the hardware prefetchers stream; walking them ahead (a block-table lookup
+// and a prefetch a row) measured slower: SmolLM2's decode (3 KV heads of 64) from 30 layers'
+// caches, one thread, AMD EPYC, 0.74-0.77 ms against 0.69-0.72 ms a call in float32. B8 x
+// 2048's rows (8 heads of 128: 2-4 KiB) gained: from 30 layers' caches, two threads, float32
+// 0.68-0.75x of vLLM's op against 0.80-0.88x without.
+template <typename T>
+inline bool rows_span_pages(const CacheView<T>& view, int64_t kv_heads, int64_t size) {
+  const int64_t bytes = size * static_cast<int64_t>(sizeof(T));
+  return (view.head_stride == size ? kv_heads * bytes : bytes) >= kPageBytes / 2;
+}
+
 // Pass 1 fetches the value rows pass 2 will read into L2 while it streams the keys: two streams
 // in flight where there was one, and pass 2 then reads from L2. Only for items whose value rows
 // fit in half this core's L2 (sysconf's size where glibc gives it, else 256 KiB), so that pass
-// 1's own key stream does not evict them first: SmolLM2's decode on one core (560 x 3 x 64, 430 KB of float32),
-// not B8 x 2048 at 8 x 128 (8 MB an item). Measured on an AMD EPYC (1 MB L2): SmolLM2's decode
-// from 30 layers' caches 1.02-1.16x -> 0.80-0.94x of vLLM's op in float32, 1.19-1.25x ->
-// 0.89-0.93x in bfloat16; with warm caches, and where the rows do not fit, within the spread.
+// 1's own key stream does not evict them first: SmolLM2's decode on one core (560 x 3 x 64,
+// 430 KB of float32), not B8 x 2048 at 8 x 128 (8 MB an item). Measured on an AMD EPYC (1 MB
+// L2): SmolLM2's decode from 30 layers' caches 1.02-1.16x -> 0.80-0.94x of vLLM's op in
+// float32, 1.19-1.25x -> 0.89-0.93x in bfloat16; with warm caches, and where the rows do not
+// fit, within the spread.
 inline int64_t l2_prefetch_budget() {
   static const int64_t budget = [] {
 #if defined(_SC_LEVEL2_CACHE_SIZE)
@@ -628,7 +644,7 @@ inline int64_t l2_prefetch_budget() {
 
 // A token row's heads, every cache line, into L2 (PREFETCHT1).
 template <typename T>
-inline void prefetch_row_l2(const T* row, int64_t kv_heads, int64_t size, int64_t head_stride) {
+ATTN_DI_PREFETCH_HELPER void prefetch_row_l2(const T* row, int64_t kv_heads, int64_t size, int64_t head_stride) {
   const int64_t bytes = size * static_cast<int64_t>(sizeof(T));
   for (int64_t g = 0; g < kv_heads; ++g) {
     const char* p = reinterpret_cast<const char*>(row + g * head_stride);
@@ -1000,9 +1016,10 @@ struct Kernel {
     pack_query_tiles(s, sc);  // one chunk per KV head: its G query rows
     sc.use_tiles(static_cast<int>(G * 4));
     const int64_t out_stride = H * 4;  // bytes between keys in the score block
+    const bool touch_keys = rows_span_pages(keys, KV, D);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t nt = std::min<int64_t>(16, n - j0);
-      for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
+      if (touch_keys) for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
         prefetch_row(key_row(keys, s, item.seq, item.start + t), KV, D, keys.head_stride);
       const TileOperand a = key_tile(s, item, item.start + j0, nt, sc);
       float* out_tile = scores + j0 * H;
@@ -1221,10 +1238,12 @@ struct Kernel {
     float* tile_out = sc.tile_out.data();
     const int64_t jobs = KV * chunks;  // (KV head, column chunk) pairs, four C tiles at a time
     const int64_t words_per_chunk = D / 2 * 16;  // a chunk's B tiles (pack_query_tiles)
+    const bool touch_keys = rows_span_pages(keys, KV, D);
+    const bool touch_values = rows_span_pages(values, KV, D);
     // Pass 1: scores (scores[j * rows + r], scaled).
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t nt = std::min<int64_t>(16, n - j0);
-      for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
+      if (touch_keys) for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
         prefetch_row(key_row(keys, s, item.seq, item.start + t), KV, D, keys.head_stride);
       // The A operand of head g: its 16 key rows (key_tile).
       const TileOperand a = key_tile(s, item, item.start + j0, nt, sc);
@@ -1285,7 +1304,7 @@ struct Kernel {
     // keeps that order until the item's end); per job, its two 32-key A tiles, and O two tiles
     // of 16 columns at a time, loaded, multiplied by both halves and stored back.
     for (int64_t k0 = 0; k0 < n; k0 += 64) {
-      for (int64_t t = k0 + 64; t < std::min(n, k0 + 128); ++t)
+      if (touch_values) for (int64_t t = k0 + 64; t < std::min(n, k0 + 128); ++t)
         prefetch_row(key_row(values, s, item.seq, item.start + t), KV, D, values.head_stride);
       const bool second_half = k0 + 32 < n;
       for (int64_t job = 0; job < jobs; ++job) {
@@ -1385,6 +1404,8 @@ struct Kernel {
 #endif
     constexpr bool kBf16Dot = kNativeBf16Dot && std::is_same_v<T, c10::BFloat16>;
     const T* tile_rows[kTile];
+    const bool touch_keys = rows_span_pages(keys, o.kv_heads, D);
+    const bool touch_values = rows_span_pages(values, o.kv_heads, D);
     if (!tiles) {
       // Scaled float32 queries, [q_len, H, D] (and, for the bfloat16 dot products, the
       // queries as given, unscaled: scaling in bfloat16 would round them).
@@ -1406,7 +1427,7 @@ struct Kernel {
       const bool values_to_l2 = n * row_width * static_cast<int64_t>(sizeof(T)) <= l2_prefetch_budget();
       for (int64_t j0 = 0; j0 < n; j0 += kTile) {
         const int64_t nt = std::min(kTile, n - j0);
-        for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
+        if (touch_keys) for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
             prefetch_row(key_row(keys, s, item.seq, item.start + t), o.kv_heads, D, keys.head_stride);
         if (values_to_l2)
           for (int64_t t = j0; t < j0 + nt; ++t)
@@ -1497,7 +1518,7 @@ struct Kernel {
 #endif
     for (int64_t j0 = 0; !values_done && j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
-      for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
+      if (touch_values) for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
           prefetch_row(key_row(values, s, item.seq, item.start + t), o.kv_heads, D, values.head_stride);
       if (full_tile(s, o, item.start + j0, nt)) {
         for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(values, s, item.seq, item.start + j0 + t);
