@@ -593,20 +593,23 @@ inline const float* as_float(const T* row, int64_t kv_heads, int64_t size, int64
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kPageBytes = 4096;
 
+// Every Step-th byte of [start, start + bytes), at __builtin_prefetch's Locality (3: PREFETCHT0,
+// into L1; 2: PREFETCHT1, into L2).
+template <int64_t Step = kPageBytes, int Locality = 3>
 ATTN_DI_PREFETCH_HELPER void prefetch_span(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
-  for (int64_t off = 0; off < bytes; off += kPageBytes) __builtin_prefetch(p + off, 0, 3);
+  for (int64_t off = 0; off < bytes; off += Step) __builtin_prefetch(p + off, 0, Locality);
 }
 
 // A token row's heads ahead of use: one span where the heads are adjacent, else each head.
-template <typename T>
+template <int64_t Step = kPageBytes, int Locality = 3, typename T>
 ATTN_DI_PREFETCH_HELPER void prefetch_row(const T* row, int64_t kv_heads, int64_t size, int64_t head_stride) {
   if (head_stride == size) {
-    prefetch_span(row, kv_heads * size * static_cast<int64_t>(sizeof(T)));
+    prefetch_span<Step, Locality>(row, kv_heads * size * static_cast<int64_t>(sizeof(T)));
     return;
   }
   for (int64_t g = 0; g < kv_heads; ++g)
-    prefetch_span(row + g * head_stride, size * static_cast<int64_t>(sizeof(T)));
+    prefetch_span<Step, Locality>(row + g * head_stride, size * static_cast<int64_t>(sizeof(T)));
 }
 
 // Whether a cache's token rows are worth prefetch_row: their spans (a row, or a head's row
@@ -622,14 +625,14 @@ inline bool rows_span_pages(const CacheView<T>& view, int64_t kv_heads, int64_t 
   return (view.head_stride == size ? kv_heads * bytes : bytes) >= kPageBytes / 2;
 }
 
-// Pass 1 fetches the value rows pass 2 will read into L2 while it streams the keys: two streams
-// in flight where there was one, and pass 2 then reads from L2. Only for items whose value rows
-// fit in half this core's L2 (sysconf's size where glibc gives it, else 256 KiB), so that pass
-// 1's own key stream does not evict them first: SmolLM2's decode on one core (560 x 3 x 64,
-// 430 KB of float32), not B8 x 2048 at 8 x 128 (8 MB an item). Measured on an AMD EPYC (1 MB
-// L2): SmolLM2's decode from 30 layers' caches 1.02-1.16x -> 0.80-0.94x of vLLM's op in
-// float32, 1.19-1.25x -> 0.89-0.93x in bfloat16; with warm caches, and where the rows do not
-// fit, within the spread.
+// Pass 1 fetches the value rows pass 2 will read into L2 (prefetch_row<64, 2>: every line,
+// PREFETCHT1) while it streams the keys: two streams in flight where there was one, and pass 2
+// then reads from L2. Only for items whose value rows fit in half this core's L2 (sysconf's
+// size where glibc gives it, else 256 KiB), so that pass 1's own key stream does not evict them
+// first: SmolLM2's decode on one core (560 x 3 x 64, 430 KB of float32), not B8 x 2048 at 8 x
+// 128 (8 MB an item). Measured on an AMD EPYC (1 MB L2): SmolLM2's decode from 30 layers'
+// caches 1.02-1.16x -> 0.80-0.94x of vLLM's op in float32, 1.19-1.25x -> 0.89-0.93x in
+// bfloat16; with warm caches, and where the rows do not fit, within the spread.
 inline int64_t l2_prefetch_budget() {
   static const int64_t budget = [] {
 #if defined(_SC_LEVEL2_CACHE_SIZE)
@@ -640,16 +643,6 @@ inline int64_t l2_prefetch_budget() {
     return size > 0 ? static_cast<int64_t>(size) / 2 : int64_t{256} << 10;
   }();
   return budget;
-}
-
-// A token row's heads, every cache line, into L2 (PREFETCHT1).
-template <typename T>
-ATTN_DI_PREFETCH_HELPER void prefetch_row_l2(const T* row, int64_t kv_heads, int64_t size, int64_t head_stride) {
-  const int64_t bytes = size * static_cast<int64_t>(sizeof(T));
-  for (int64_t g = 0; g < kv_heads; ++g) {
-    const char* p = reinterpret_cast<const char*>(row + g * head_stride);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
-  }
 }
 
 // Query rows [i_lo, i_hi) (of q_len) may see key position `key`: causal and windowed.
@@ -1431,7 +1424,7 @@ struct Kernel {
             prefetch_row(key_row(keys, s, item.seq, item.start + t), o.kv_heads, D, keys.head_stride);
         if (values_to_l2)
           for (int64_t t = j0; t < j0 + nt; ++t)
-            prefetch_row_l2(key_row(values, s, item.seq, item.start + t), o.kv_heads, D, values.head_stride);
+            prefetch_row<64, 2>(key_row(values, s, item.seq, item.start + t), o.kv_heads, D, values.head_stride);
         if (full_tile(s, o, item.start + j0, nt)) {
           for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(keys, s, item.seq, item.start + j0 + t);
           for (int64_t g = 0; g < o.kv_heads; ++g) {
