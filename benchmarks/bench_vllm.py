@@ -32,7 +32,8 @@ difference of two generations' wall times. The table shows the median over all t
 
 each with its ratio to vLLM's and, in parentheses, the lowest and highest of the rounds' ratios
 (a round's: the median of its generations, the two contenders' engines built one after the
-other).
+other): the spread of single rounds, which need not bracket the ratio of the medians over all
+generations.
 
 Also whether the two contenders' greedy tokens are equal. Targets (issue 23): time to first
 token <= 1.0x and decode tokens/s >= 1.0x of vLLM's own in both dtypes and both modes.
@@ -134,7 +135,14 @@ def vllm_processes() -> list[psutil.Process]:
     """The processes on this machine that carry vLLM's process title (``VLLM::EngineCore``,
     ``VLLM::Worker``...), whoever started them."""
     prefix = f"{vllm_envs.VLLM_PROCESS_NAME_PREFIX}::"
-    return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith(prefix)]
+    found = psutil.process_iter(["name", "status", "ppid"])
+    return [
+        p
+        for p in found
+        if (p.info["name"] or "").startswith(prefix)
+        # another program's zombie runs nothing and only its parent can reap it
+        and (p.info["status"] != psutil.STATUS_ZOMBIE or p.info["ppid"] == os.getpid())
+    ]
 
 
 def wait_for_exit(processes: list[psutil.Process], when: str) -> None:
@@ -145,14 +153,22 @@ def wait_for_exit(processes: list[psutil.Process], when: str) -> None:
     Raises:
         SystemExit: some are still running; they are named.
     """
+    running = [p for p in processes if p.is_running()]
     start = time.perf_counter()
-    _, alive = psutil.wait_procs(processes, timeout=EXIT_TIMEOUT_S)
+    _, alive = psutil.wait_procs(running, timeout=EXIT_TIMEOUT_S)
     waited = time.perf_counter() - start
     if waited > 0.5:  # said, so that a run shows how often an engine outlived its shutdown
-        print(f"{when}: waited {waited:.1f} s for {len(processes)} to exit", file=sys.stderr)
+        print(f"{when}: waited {waited:.1f} s for {len(running)} to exit", file=sys.stderr)
     if alive:
-        names = ", ".join(f"{p.pid} {p.name()}" for p in alive)
-        raise SystemExit(f"{when}: still running after {EXIT_TIMEOUT_S:.0f} s: {names}")
+        names = []
+        for process in alive:
+            try:
+                names.append(f"{process.pid} {process.name()}")
+            except psutil.NoSuchProcess:  # exited since the timeout
+                continue
+        if names:
+            left = ", ".join(names)
+            raise SystemExit(f"{when}: still running after {EXIT_TIMEOUT_S:.0f} s: {left}")
 
 
 Sample = tuple[float, float, float]  # first-token s, decode tokens/s, total wall s
@@ -231,7 +247,8 @@ def measure(
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
-            wait_for_exit(started, f"after {name}'s {MODE} engine shut down, its processes")
+    # Not in the finally: a failed round's own reason stops the run, not this wait's.
+    wait_for_exit(started, f"after {name}'s {MODE} engine shut down, its processes")
     return samples, generated
 
 

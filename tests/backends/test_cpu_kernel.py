@@ -448,6 +448,15 @@ def test_one_openmp_runtime() -> None:
     assert len(libraries) == 1, libraries
 
 
+def _disassembly(library: str) -> str:
+    return subprocess.run(
+        ["objdump", "-d", "-C", "--no-show-raw-insn", library],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 @requires_kernel
 @pytest.mark.skipif(
     shutil.which("objdump") is None or platform.machine() != "x86_64",
@@ -455,19 +464,22 @@ def test_one_openmp_runtime() -> None:
 )
 def test_the_build_keeps_the_prefetches_its_source_asks_for() -> None:
     """GCC deletes every call of a helper made only of ``__builtin_prefetch`` that it did not
-    inline first (kernel.h's ATTN_DI_PREFETCH_HELPER): the loaded build's decode kernel keeps,
-    per dtype, its L2 value prefetch (PREFETCHT1) and its key and value row touches, and its
-    prefill kernel its query and output prefetches."""
-    listing = subprocess.run(
-        ["objdump", "-d", "-C", "--no-show-raw-insn", str(_cpu_kernel.build())],
-        capture_output=True,
-        text=True,
-        check=True,
+    inline first (kernel.h's ATTN_DI_PREFETCH_HELPER). In the loaded GCC build, per dtype, the
+    decode kernel keeps its L2 value prefetch (PREFETCHT1) and its key and value row touches
+    (two PREFETCHT0 each: prefetch_row's two branches), and each prefill instantiation its query
+    prefetch (one) and its output prefetch (two). Counted per class, so it reads GCC's choice
+    to keep run_item out of line; other compilers are not read."""
+    library = _cpu_kernel.kernel_status().library
+    assert library is not None
+    comment = subprocess.run(
+        ["objdump", "-s", "-j", ".comment", library], capture_output=True, text=True, check=True
     ).stdout
+    if "clang" in comment:
+        pytest.skip("the counts are GCC's; this build is clang's")
     found: dict[str, Counter[str]] = {}
     owner = ""
     member = re.compile(r"[0-9a-f]+ <attn_di_kernel::[^<]*((?:Kernel|Prefill)<[^>]*>)::")
-    for line in listing.splitlines():
+    for line in _disassembly(library).splitlines():
         if header := member.match(line):
             owner = header.group(1)
         elif line.endswith(">:"):
@@ -479,10 +491,10 @@ def test_the_build_keeps_the_prefetches_its_source_asks_for() -> None:
     for dtype in dtypes:
         decode = found.get(f"Kernel<{dtype}>", Counter())
         assert decode["prefetcht1"] >= 1, (dtype, found)
-        assert decode["prefetcht0"] >= 2, (dtype, found)
+        assert decode["prefetcht0"] >= 4, (dtype, found)
     prefill = {owner: sum(count.values()) for owner, count in found.items() if "Prefill<" in owner}
     assert len(prefill) == 5, found
-    assert min(prefill.values()) >= 2, found
+    assert min(prefill.values()) >= 3, found
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no compiler")
