@@ -448,13 +448,12 @@ def test_one_openmp_runtime() -> None:
     assert len(libraries) == 1, libraries
 
 
-def _disassembly(library: str) -> str:
-    return subprocess.run(
-        ["objdump", "-d", "-C", "--no-show-raw-insn", library],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+def _objdump(library: str, *options: str) -> str:
+    """What binutils' objdump prints for ``library`` with ``options``."""
+    done = subprocess.run(
+        ["objdump", *options, library], capture_output=True, text=True, check=True
+    )
+    return done.stdout
 
 
 @requires_kernel
@@ -471,15 +470,12 @@ def test_the_build_keeps_the_prefetches_its_source_asks_for() -> None:
     to keep run_item out of line; other compilers are not read."""
     library = _cpu_kernel.kernel_status().library
     assert library is not None
-    comment = subprocess.run(
-        ["objdump", "-s", "-j", ".comment", library], capture_output=True, text=True, check=True
-    ).stdout
-    if "clang" in comment:
+    if "clang" in _objdump(library, "-s", "-j", ".comment"):
         pytest.skip("the counts are GCC's; this build is clang's")
     found: dict[str, Counter[str]] = {}
     owner = ""
     member = re.compile(r"[0-9a-f]+ <attn_di_kernel::[^<]*((?:Kernel|Prefill)<[^>]*>)::")
-    for line in _disassembly(library).splitlines():
+    for line in _objdump(library, "-d", "-C", "--no-show-raw-insn").splitlines():
         if header := member.match(line):
             owner = header.group(1)
         elif line.endswith(">:"):
