@@ -710,16 +710,26 @@ def test_strided_output_is_filled(path: str) -> None:
     assert bool((storage[:, 1::2] == 7.0).all())
 
 
-def _copy_of_this_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
-    """``(build directory, library)``: this CPU's build, copied into a new cache in tmp_path."""
+def _copy_of_this_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiler: str | None = None
+) -> tuple[Path, Path]:
+    """``(build directory, library)``: this CPU's build, copied into a new cache in tmp_path
+    under the name a process with this environment looks for.
+
+    ``compiler``: set ``CXX`` to it first (the build then stands for one made by that
+    compiler: a name not on PATH makes a machine whose image holds a build but no compiler).
+    """
     status = _cpu_kernel.kernel_status()
-    if not status.active or status.library is None:
+    if not status.active or status.library is None or status.isa is None:
         pytest.skip(f"CPU_ATTN's kernel: {status.describe()}")
-    source = Path(status.library).parent
+    source = Path(status.library)
+    if compiler is not None:
+        monkeypatch.setenv("CXX", compiler)
     monkeypatch.setenv(_cpu_kernel.ENV_CACHE, str(tmp_path / "cache"))
-    directory = tmp_path / "cache" / source.name
-    shutil.copytree(source, directory)
-    return directory, directory / Path(status.library).name
+    name, directory = _cpu_kernel._build_dir(status.isa)
+    shutil.copytree(source.parent, directory)
+    (directory / source.name).rename(directory / f"{name}.so")
+    return directory, directory / f"{name}.so"
 
 
 def _damage(library: Path, how: str) -> None:
@@ -737,9 +747,9 @@ def test_damaged_build_without_compiler_falls_back_naming_it(
     how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A damaged cached library is never loaded: without a compiler, one warning names it."""
-    directory, library = _copy_of_this_build(tmp_path, monkeypatch)
+    directory, library = _copy_of_this_build(tmp_path, monkeypatch, "attn-di-no-such-compiler")
     _damage(library, how)
-    env = {**os.environ, "CXX": "attn-di-no-such-compiler", "PYTHONWARNINGS": "default"}
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
     env.pop(_cpu_kernel.ENV_SWITCH, None)
 
     done = subprocess.run(
@@ -1029,13 +1039,13 @@ def test_a_read_only_cache_with_a_verified_build_is_loaded_without_a_write(
     Root ignores permission bits, so ``chmod -R a-w`` alone proves nothing here: in a process
     of its own every write under the cache (open for writing, os.open with a write flag,
     mkdir, rename, remove) fails with EROFS, as on a read-only mount, and is recorded."""
-    directory, library = _copy_of_this_build(tmp_path, monkeypatch)
+    directory, library = _copy_of_this_build(tmp_path, monkeypatch, "attn-di-no-such-compiler")
     cache = directory.parent
     if lock_file:
         (cache / f"{directory.name}.lock").write_bytes(b"")
     for path in (*cache.rglob("*"), cache):
         path.chmod(path.stat().st_mode & ~0o222)
-    env = {**os.environ, "CXX": "attn-di-no-such-compiler"}
+    env = {**os.environ}
     env.pop(_cpu_kernel.ENV_SWITCH, None)
     try:
         done = subprocess.run(
@@ -1134,6 +1144,22 @@ def test_a_failed_build_reports_the_compiler_and_leaves_nothing_behind(
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
         f"{_cpu_kernel._build_dir('default')[0]}.lock"
     ]
+
+
+def test_a_build_is_named_by_the_compiler_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CXX enters the build's name, so a build made by one compiler is never loaded for
+    another; the default (unset) is ``c++``, and nothing is run to name it (a machine without
+    a compiler finds its image's build)."""
+    monkeypatch.delenv("CXX", raising=False)
+    unset = _cpu_kernel._build_dir("default")[0]
+    monkeypatch.setenv("CXX", "c++")
+    assert _cpu_kernel._build_dir("default")[0] == unset
+    monkeypatch.setenv("CXX", "clang++")
+    clang = _cpu_kernel._build_dir("default")[0]
+    assert clang != unset
+    assert clang.startswith("attn_di_cpu_default_")
+    monkeypatch.setenv("CXX", "/nonexistent/compiler")
+    assert _cpu_kernel._build_dir("default")[0] not in (unset, clang)
 
 
 # Where a non-finite value goes in (what, its value): a key every query row of KV head 0 sees,

@@ -103,3 +103,20 @@ def test_a_target_path_that_does_not_import_gets_a_targets_hint() -> None:
     assert "module not found (No module named 'nope_pkg')" in result.stderr
     assert "hint: check the path: its module must import from here" in result.stderr
     assert "register_backend" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("nope", "hint: give a member name (see `attn-di list`) or a class path"),
+        ("cpu_atn", "hint: did you mean 'CPU_ATTN'?"),
+    ],
+)
+def test_an_unknown_target_name_offers_backends_never_auto(name: str, hint: str) -> None:
+    """conform checks one backend, so an unknown name lists the members and suggests the
+    closest one, but never ``auto`` (which conform refuses) as a choice or a hint."""
+    result = conform(name)
+    assert result.returncode == 2
+    assert f"Unknown attention backend: {name!r}. Valid options are: FLASH_ATTN" in result.stderr
+    assert hint in result.stderr
+    assert "auto" not in result.stderr

@@ -593,6 +593,8 @@ def _unknown_backend_hint(exc: UnknownBackendError, variable: str | None = None)
         return f"{advice}`attn-di list` shows every backend"
     if exc.suggestion:
         return f"did you mean {exc.suggestion!r}? `attn-di list` shows every backend"
+    if "auto" not in exc.choices:  # a command that takes one backend (conform)
+        return exc.hint or "`attn-di list` shows every backend"
     return "use auto to let attn_di choose; `attn-di list` shows every backend and if it imports"
 
 

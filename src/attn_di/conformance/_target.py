@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from attn_di.conformance._driver import Driver, driver_classes
-from attn_di.exceptions import BackendImportError, InvalidBackendTypeError
+from attn_di.exceptions import BackendImportError, InvalidBackendTypeError, UnknownBackendError
 
 __all__ = ["resolve_driver", "resolve_target", "subprocess_spec"]
 
@@ -45,7 +45,10 @@ def resolve_target(target: object) -> tuple[Any, str]:
                         "directory, PYTHONPATH or an installed package)"
                     )
                 raise
-        member = parse_backend_name(text)
+        try:
+            member = parse_backend_name(text)
+        except UnknownBackendError as error:
+            raise _one_backend(error) from None
         if member is None:  # "auto"
             raise InvalidBackendTypeError(
                 "target", target, "one backend: a member name, a class or a class path"
@@ -56,6 +59,16 @@ def resolve_target(target: object) -> tuple[Any, str]:
         target,
         "a backend class, an AttentionBackendEnum member, its name or a class path",
     )
+
+
+def _one_backend(error: UnknownBackendError) -> UnknownBackendError:
+    """The enum's error for an unknown target name, without ``auto``: a target is one backend,
+    so automatic selection is not among its valid choices nor its suggestion."""
+    choices = [choice for choice in error.choices if choice != "auto"]
+    narrowed = UnknownBackendError(error.name, choices, error.looked_up, error.enum, error.phrase)
+    if not narrowed.suggestion:
+        narrowed.hint = "give a member name (see `attn-di list`) or a class path (pkg.module:Class)"
+    return narrowed
 
 
 def resolve_driver(target: object) -> Driver:

@@ -15,7 +15,8 @@ CPU's own flags on top of AVX-512 (``avx512_bf16``: its bfloat16 dot products; `
 tiles as well, for bfloat16 decode), compiled with exactly that set's flags (never
 ``-march=native``), so a cache directory shared by AVX2-only, AVX-512 and AMX machines holds
 each and each loads its own. The directory name
-carries a hash of the source, the flags and torch's version: a change rebuilds. Its
+carries a hash of the source, the flags, torch's version and the compiler asked for (``CXX``):
+a change rebuilds. Its
 ``built`` stamp records the library's size and SHA-256, checked before each load: a damaged
 library is rebuilt (or, without a compiler, never loaded). Processes sharing the cache build
 once between them: a file lock serialises builds (the others wait, then load that build),
@@ -669,13 +670,20 @@ def _flags(isa: str) -> tuple[str, ...]:
 
 
 def _build_dir(isa: str) -> tuple[str, Path]:
-    """``(library name, build directory)``: named by ISA and a hash of what the build uses."""
+    """``(library name, build directory)``: named by ISA and a hash of what the build uses.
+
+    The compiler enters the hash as it is asked for (``CXX``, default ``c++``), not by running
+    it: a build made with ``CXX=clang++`` is not loaded by a process that asks for GCC, and a
+    machine without a compiler still finds the build its image was made with. A compiler
+    upgraded in place under the same name is not seen (``build --force`` rebuilds).
+    """
     import torch
 
     digest = hashlib.sha256()
     for source in _SOURCES:
         digest.update(source.read_bytes() + b"\0")
-    for part in (*_flags(isa), torch.__version__, platform.machine()):
+    compiler = os.environ.get("CXX", "c++")
+    for part in (*_flags(isa), torch.__version__, platform.machine(), compiler):
         digest.update(b"\0" + part.encode())
     name = f"attn_di_cpu_{isa}_{digest.hexdigest()[:12]}"
     return name, cache_root() / name
