@@ -913,6 +913,17 @@ struct Kernel {
     return view.row(table[seq * table_stride + pos / bs], pos % bs);
   }
 
+  // The token rows of the item's keys [from, to) (counted from its start, clipped to its last
+  // key), prefetched ahead of use by prefetch_row<Step, Locality>.
+  template <int64_t Step = kPageBytes, int Locality = 3>
+  ATTN_DI_PREFETCH_HELPER void touch_rows(const CacheView<T>& view, const Sequence& s, const Item& item,
+                                          int64_t from, int64_t to) const {
+    const int64_t stop = std::min(item.stop - item.start, to);
+    for (int64_t t = from; t < stop; ++t)
+      prefetch_row<Step, Locality>(key_row(view, s, item.seq, item.start + t), o.kv_heads, o.head_size,
+                                   view.head_stride);
+  }
+
 
   // The scores of keys [j0, j0 + nt) of the item (scores[j * rows + r], every pair computed
   // and scaled): -inf for the pairs a row may not see, then the soft cap and ALiBi on the
@@ -1012,8 +1023,7 @@ struct Kernel {
     const bool touch_keys = rows_span_pages(keys, KV, D);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t nt = std::min<int64_t>(16, n - j0);
-      if (touch_keys) for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
-        prefetch_row(key_row(keys, s, item.seq, item.start + t), KV, D, keys.head_stride);
+      if (touch_keys) touch_rows(keys, s, item, j0 + kPrefetchRows, j0 + nt + kPrefetchRows);
       const TileOperand a = key_tile(s, item, item.start + j0, nt, sc);
       float* out_tile = scores + j0 * H;
       // KV heads four at a time (C tiles 0-3, multiply_c_tiles).
@@ -1236,8 +1246,7 @@ struct Kernel {
     // Pass 1: scores (scores[j * rows + r], scaled).
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t nt = std::min<int64_t>(16, n - j0);
-      if (touch_keys) for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
-        prefetch_row(key_row(keys, s, item.seq, item.start + t), KV, D, keys.head_stride);
+      if (touch_keys) touch_rows(keys, s, item, j0 + kPrefetchRows, j0 + nt + kPrefetchRows);
       // The A operand of head g: its 16 key rows (key_tile).
       const TileOperand a = key_tile(s, item, item.start + j0, nt, sc);
       // Job J = g * chunks + c: C tile J % 4 (multiply_c_tiles).
@@ -1297,8 +1306,7 @@ struct Kernel {
     // keeps that order until the item's end); per job, its two 32-key A tiles, and O two tiles
     // of 16 columns at a time, loaded, multiplied by both halves and stored back.
     for (int64_t k0 = 0; k0 < n; k0 += 64) {
-      if (touch_values) for (int64_t t = k0 + 64; t < std::min(n, k0 + 128); ++t)
-        prefetch_row(key_row(values, s, item.seq, item.start + t), KV, D, values.head_stride);
+      if (touch_values) touch_rows(values, s, item, k0 + 64, k0 + 128);
       const bool second_half = k0 + 32 < n;
       for (int64_t job = 0; job < jobs; ++job) {
         const int64_t g = job / chunks, c = job % chunks;
@@ -1420,11 +1428,9 @@ struct Kernel {
       const bool values_to_l2 = n * row_width * static_cast<int64_t>(sizeof(T)) <= l2_prefetch_budget();
       for (int64_t j0 = 0; j0 < n; j0 += kTile) {
         const int64_t nt = std::min(kTile, n - j0);
-        if (touch_keys) for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
-            prefetch_row(key_row(keys, s, item.seq, item.start + t), o.kv_heads, D, keys.head_stride);
+        if (touch_keys) touch_rows(keys, s, item, j0 + kPrefetchRows, j0 + nt + kPrefetchRows);
         if (values_to_l2)
-          for (int64_t t = j0; t < j0 + nt; ++t)
-            prefetch_row<64, 2>(key_row(values, s, item.seq, item.start + t), o.kv_heads, D, values.head_stride);
+          touch_rows<64, 2>(values, s, item, j0, j0 + nt);
         if (full_tile(s, o, item.start + j0, nt)) {
           for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(keys, s, item.seq, item.start + j0 + t);
           for (int64_t g = 0; g < o.kv_heads; ++g) {
@@ -1511,8 +1517,7 @@ struct Kernel {
 #endif
     for (int64_t j0 = 0; !values_done && j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
-      if (touch_values) for (int64_t t = j0 + kPrefetchRows; t < std::min(n, j0 + nt + kPrefetchRows); ++t)
-          prefetch_row(key_row(values, s, item.seq, item.start + t), o.kv_heads, D, values.head_stride);
+      if (touch_values) touch_rows(values, s, item, j0 + kPrefetchRows, j0 + nt + kPrefetchRows);
       if (full_tile(s, o, item.start + j0, nt)) {
         for (int64_t t = 0; t < nt; ++t) tile_rows[t] = key_row(values, s, item.seq, item.start + j0 + t);
         for (int64_t g = 0; g < o.kv_heads; ++g) {
