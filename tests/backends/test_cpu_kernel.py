@@ -553,9 +553,12 @@ def _nothing_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("fresh_kernel_state", "nothing_loaded")
-def test_missing_compiler_is_named_in_the_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_compiler_is_named_in_the_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No compiler on PATH (and nothing built): the warning says so and how to fix it."""
-    monkeypatch.setenv("CXX", "attn-di-no-such-compiler")
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no c++ there
     monkeypatch.setenv(_cpu_kernel.ENV_CACHE, os.devnull + "-absent")
 
     with pytest.warns(KernelUnavailableWarning, match="no C.. compiler") as record:
@@ -1160,6 +1163,22 @@ def test_a_build_is_named_by_the_compiler_asked_for(monkeypatch: pytest.MonkeyPa
     assert clang.startswith("attn_di_cpu_default_")
     monkeypatch.setenv("CXX", "/nonexistent/compiler")
     assert _cpu_kernel._build_dir("default")[0] not in (unset, clang)
+    monkeypatch.setenv("CXX", "")  # as scripts/setup.sh reads it: the default
+    assert _cpu_kernel._build_dir("default")[0] == unset
+
+
+@pytest.mark.usefixtures("fresh_kernel_state", "nothing_loaded")
+def test_a_cxx_not_on_path_is_named_as_cxx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CXX set to something not on PATH: the reason names CXX and the hint says to fix or
+    unset it (installing a compiler would not help)."""
+    monkeypatch.setenv("CXX", "attn-di-no-such-compiler")
+    monkeypatch.setenv(_cpu_kernel.ENV_CACHE, str(tmp_path / "cache"))
+
+    with pytest.raises(RuntimeError) as caught:
+        _cpu_kernel.build("default")
+
+    assert "no C++ compiler (CXX='attn-di-no-such-compiler' is not on PATH)" in str(caught.value)
+    assert getattr(caught.value, "hint", "").startswith("set CXX to an installed compiler")
 
 
 # Where a non-finite value goes in (what, its value): a key every query row of KV head 0 sees,
@@ -1298,3 +1317,23 @@ def test_an_infinite_value_under_a_vanishing_probability_stays_non_finite(
     torch.testing.assert_close(
         kernel_out[:, others].double(), expected[:, others], atol=tol, rtol=tol
     )
+
+
+def test_the_build_command_shows_why_and_what_to_do(tmp_path: Path) -> None:
+    """``python -m attn_di.backends._cpu_kernel build`` that cannot build exits 1 with the
+    reason and the hint, each on its own line."""
+    env = {**os.environ, "CXX": "attn-di-no-such-compiler", _cpu_kernel.ENV_CACHE: str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "attn_di.backends._cpu_kernel", "build", "--isa", "default"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert lines[0] == (
+        "CPU_ATTN's kernel was not built: no C++ compiler "
+        "(CXX='attn-di-no-such-compiler' is not on PATH) to build CPU_ATTN's kernel"
+    )
+    assert lines[1].startswith("hint: set CXX to an installed compiler, or unset it, then run")

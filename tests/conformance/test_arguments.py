@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from attn_di.conformance import Case, plan_conformance, run_conformance
-from attn_di.exceptions import InvalidInputError
+from attn_di.exceptions import InvalidInputError, UnknownBackendError
 from tests.conformance.test_cli import conform
 
 ONE = "fp32-gqa2-decode-len40-block16"
@@ -120,3 +120,30 @@ def test_an_unknown_target_name_offers_backends_never_auto(name: str, hint: str)
     assert f"Unknown attention backend: {name!r}. Valid options are: FLASH_ATTN" in result.stderr
     assert hint in result.stderr
     assert "auto" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("auto", "target: 'auto' asks for automatic selection, and conform checks one backend"),
+        ("", "target: an empty name names no backend"),
+    ],
+)
+def test_auto_or_no_name_is_refused_as_a_value_naming_the_target(name: str, said: str) -> None:
+    """``auto`` (or nothing) is a wrong value, not a wrong type: the CLI says why conform needs
+    one backend and where auto's choice is shown; the API raises InvalidInputError."""
+    result = conform(name)
+    assert result.returncode == 2
+    assert said in result.stderr
+    assert "`attn-di select` shows which one auto picks" in result.stderr
+    with pytest.raises(InvalidInputError, match=r"conform checks one backend|empty name"):
+        plan_conformance(name)
+
+
+def test_all_keeps_its_own_hint_in_the_api() -> None:
+    """`all` is the CLI's word for every backend (of `attn-di run`): conform's API error says so,
+    rather than the generic hint for an unknown name."""
+    with pytest.raises(UnknownBackendError) as caught:
+        plan_conformance("all")
+    assert "auto" not in caught.value.choices
+    assert (caught.value.hint or "").startswith("`all` is accepted only by `attn-di run")

@@ -5,7 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from attn_di.conformance._driver import Driver, driver_classes
-from attn_di.exceptions import BackendImportError, InvalidBackendTypeError, UnknownBackendError
+from attn_di.exceptions import (
+    BackendImportError,
+    InvalidBackendTypeError,
+    InvalidInputError,
+    UnknownBackendError,
+)
 
 __all__ = ["resolve_driver", "resolve_target", "subprocess_spec"]
 
@@ -20,6 +25,7 @@ def resolve_target(target: object) -> tuple[Any, str]:
 
     Raises:
         UnknownBackendError: a name that is neither a member nor a class path.
+        InvalidInputError: ``"auto"`` or an empty name (conform checks one backend).
         BackendImportError: a class path that does not import.
         InvalidBackendTypeError: anything else.
     """
@@ -49,9 +55,17 @@ def resolve_target(target: object) -> tuple[Any, str]:
             member = parse_backend_name(text)
         except UnknownBackendError as error:
             raise _one_backend(error) from None
-        if member is None:  # "auto"
-            raise InvalidBackendTypeError(
-                "target", target, "one backend: a member name, a class or a class path"
+        if member is None:  # "auto", or nothing
+            problem = (
+                f"{target!r} asks for automatic selection, and conform checks one backend"
+                if text
+                else "an empty name names no backend"
+            )
+            raise InvalidInputError(
+                "target",
+                problem,
+                hint="name one backend: a member name (see `attn-di list`; `attn-di select` "
+                "shows which one auto picks), a class or a class path (pkg.module:Class)",
             )
         return member.get_class(), member.name
     raise InvalidBackendTypeError(
@@ -66,7 +80,7 @@ def _one_backend(error: UnknownBackendError) -> UnknownBackendError:
     so automatic selection is not among its valid choices nor its suggestion."""
     choices = [choice for choice in error.choices if choice != "auto"]
     narrowed = UnknownBackendError(error.name, choices, error.looked_up, error.enum, error.phrase)
-    if not narrowed.suggestion:
+    if not narrowed.suggestion and "`all`" not in (narrowed.hint or ""):  # keep `all`'s hint
         narrowed.hint = "give a member name (see `attn-di list`) or a class path (pkg.module:Class)"
     return narrowed
 

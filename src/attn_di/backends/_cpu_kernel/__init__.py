@@ -15,8 +15,8 @@ CPU's own flags on top of AVX-512 (``avx512_bf16``: its bfloat16 dot products; `
 tiles as well, for bfloat16 decode), compiled with exactly that set's flags (never
 ``-march=native``), so a cache directory shared by AVX2-only, AVX-512 and AMX machines holds
 each and each loads its own. The directory name
-carries a hash of the source, the flags, torch's version and the compiler asked for (``CXX``):
-a change rebuilds. Its
+carries a hash of the source, the flags, torch's version, the machine (``platform.machine()``)
+and the compiler asked for (``CXX``): a change rebuilds. Its
 ``built`` stamp records the library's size and SHA-256, checked before each load: a damaged
 library is rebuilt (or, without a compiler, never loaded). Processes sharing the cache build
 once between them: a file lock serialises builds (the others wait, then load that build),
@@ -272,7 +272,8 @@ def pure_torch() -> Iterator[None]:
 
 
 def cache_root() -> Path:
-    """The directory holding one build directory per (source, flags, torch) combination."""
+    """The directory holding one build directory per combination of source, flags, torch
+    version, machine and compiler asked for (``_build_dir``)."""
     configured = os.environ.get(ENV_CACHE)
     if configured:
         return Path(configured)
@@ -316,20 +317,30 @@ def build(isa: str | None = None, verbose: bool = False, force: bool = False) ->
     if not force and _verified(library, stamp):
         return library
     damaged = not force and stamp.exists()
-    compiler = os.environ.get("CXX", "c++")
+    compiler = _compiler()
     if shutil.which(compiler) is None:
+        missing = (
+            f"CXX={compiler!r} is not on PATH"
+            if os.environ.get("CXX")
+            else f"{compiler!r} is not on PATH"
+        )
+        install = (
+            "set CXX to an installed compiler, or unset it"
+            if os.environ.get("CXX")
+            else "install a C++ compiler (e.g. apt-get install g++)"
+        )
         if damaged:
             raise _BuildError(
                 f"CPU_ATTN's kernel in {directory} is damaged (its size or checksum is not "
-                f"what the build recorded) and there is no C++ compiler ({compiler!r} is not "
-                "on PATH) to rebuild it",
-                hint=f"delete {directory}, or install a C++ compiler (e.g. apt-get install "
-                "g++) and run `python -m attn_di.backends._cpu_kernel build --force`; "
+                f"what the build recorded) and there is no C++ compiler ({missing}) to "
+                "rebuild it",
+                hint=f"delete {directory}, or {install} and run "
+                "`python -m attn_di.backends._cpu_kernel build --force`; "
                 "CPU_ATTN works meanwhile",
             )
         raise _BuildError(
-            f"no C++ compiler ({compiler!r} is not on PATH) to build CPU_ATTN's kernel",
-            hint="install a C++ compiler (e.g. apt-get install g++), then run "
+            f"no C++ compiler ({missing}) to build CPU_ATTN's kernel",
+            hint=f"{install}, then run "
             "`python -m attn_di.backends._cpu_kernel build`; CPU_ATTN works meanwhile",
         )
     with _locked(name, shared=False):
@@ -383,6 +394,7 @@ def _compile(name: str, isa: str, directory: Path, verbose: bool) -> None:
     # cpp_extension runs `ninja` from PATH; the PyPI wheel's lies beside this interpreter,
     # which may not be on PATH (.venv/bin/python run without activating the venv).
     env = {**os.environ, "PATH": os.pathsep.join((_ninja_dir(), os.environ.get("PATH", "")))}
+    env["CXX"] = _compiler()  # an empty CXX means the default here; torch would run ''.
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(arguments)],
         env=env,
@@ -669,21 +681,28 @@ def _flags(isa: str) -> tuple[str, ...]:
     return (*_COMMON_FLAGS, *_ISA_FLAGS[isa], f"-DATTN_DI_KERNEL_ISA={isa}")
 
 
+def _compiler() -> str:
+    """The C++ compiler asked for: ``CXX``, or ``c++`` where it is unset or empty (as
+    ``scripts/setup.sh`` reads it)."""
+    return os.environ.get("CXX") or "c++"
+
+
 def _build_dir(isa: str) -> tuple[str, Path]:
     """``(library name, build directory)``: named by ISA and a hash of what the build uses.
 
-    The compiler enters the hash as it is asked for (``CXX``, default ``c++``), not by running
-    it: a build made with ``CXX=clang++`` is not loaded by a process that asks for GCC, and a
-    machine without a compiler still finds the build its image was made with. A compiler
-    upgraded in place under the same name is not seen (``build --force`` rebuilds).
+    The compiler enters the hash as it is asked for (``CXX``; ``c++`` where it is unset or
+    empty), not by running it: a build made with ``CXX=clang++`` is not loaded by a process
+    that asks for GCC, and a machine without a compiler still finds the build its image was
+    made with. The name is compared, not the compiler: two names of one compiler build twice,
+    and one name that means different compilers on machines sharing a cache (``c++``), or a
+    compiler upgraded in place, shares one build (``build --force`` rebuilds).
     """
     import torch
 
     digest = hashlib.sha256()
     for source in _SOURCES:
         digest.update(source.read_bytes() + b"\0")
-    compiler = os.environ.get("CXX", "c++")
-    for part in (*_flags(isa), torch.__version__, platform.machine(), compiler):
+    for part in (*_flags(isa), torch.__version__, platform.machine(), _compiler()):
         digest.update(b"\0" + part.encode())
     name = f"attn_di_cpu_{isa}_{digest.hexdigest()[:12]}"
     return name, cache_root() / name

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         library = _cpu_kernel.build(args.isa, verbose=args.verbose, force=args.force)
     except Exception as exc:  # report any build failure as one line
         print(f"CPU_ATTN's kernel was not built: {exc}", file=sys.stderr)
+        hint = getattr(exc, "hint", None)
+        if hint:
+            print(f"hint: {hint}", file=sys.stderr)
         return 1
     print(f"CPU_ATTN's kernel: {library} ({time.perf_counter() - start:.1f} s)")
     return 0
