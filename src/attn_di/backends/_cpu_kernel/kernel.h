@@ -118,11 +118,13 @@ CacheView<T> cache_view(const at::Tensor& cache) {
 // avx512_bf16 build held 5 PREFETCHT0 and 3 PREFETCHT1 where the sources ask for dozens).
 #define ATTN_DI_PREFETCH_HELPER __attribute__((always_inline)) inline
 
-// Every cache line of [start, start + bytes) ahead of use, for reading (or writing).
-template <bool kWrite = false>
+// Every Step-th byte of [start, start + bytes) ahead of use (by default every cache line), for
+// reading (or writing), at __builtin_prefetch's Locality (3: PREFETCHT0, into L1; 2:
+// PREFETCHT1, into L2).
+template <int64_t Step = 64, int Locality = 3, bool kWrite = false>
 ATTN_DI_PREFETCH_HELPER void prefetch_lines(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, kWrite ? 1 : 0, 3);
+  for (int64_t off = 0; off < bytes; off += Step) __builtin_prefetch(p + off, kWrite ? 1 : 0, Locality);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)

@@ -593,23 +593,16 @@ inline const float* as_float(const T* row, int64_t kv_heads, int64_t size, int64
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kPageBytes = 4096;
 
-// Every Step-th byte of [start, start + bytes), at __builtin_prefetch's Locality (3: PREFETCHT0,
-// into L1; 2: PREFETCHT1, into L2).
-template <int64_t Step = kPageBytes, int Locality = 3>
-ATTN_DI_PREFETCH_HELPER void prefetch_span(const void* start, int64_t bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t off = 0; off < bytes; off += Step) __builtin_prefetch(p + off, 0, Locality);
-}
-
-// A token row's heads ahead of use: one span where the heads are adjacent, else each head.
+// A token row's heads ahead of use, every Step-th byte (by default one line per page; kernel.h's
+// prefetch_lines): one span where the heads are adjacent, else each head.
 template <int64_t Step = kPageBytes, int Locality = 3, typename T>
 ATTN_DI_PREFETCH_HELPER void prefetch_row(const T* row, int64_t kv_heads, int64_t size, int64_t head_stride) {
   if (head_stride == size) {
-    prefetch_span<Step, Locality>(row, kv_heads * size * static_cast<int64_t>(sizeof(T)));
+    prefetch_lines<Step, Locality>(row, kv_heads * size * static_cast<int64_t>(sizeof(T)));
     return;
   }
   for (int64_t g = 0; g < kv_heads; ++g)
-    prefetch_span<Step, Locality>(row + g * head_stride, size * static_cast<int64_t>(sizeof(T)));
+    prefetch_lines<Step, Locality>(row + g * head_stride, size * static_cast<int64_t>(sizeof(T)));
 }
 
 // Whether a cache's token rows are worth prefetch_row: their spans (a row, or a head's row

@@ -266,7 +266,7 @@ struct Prefill {
   // The output rows of the item's query token i0 + i (its G heads), ahead of their writes
   // (always inlined, as kernel.h's prefetch helpers: else GCC deletes the calls).
   ATTN_DI_PREFETCH_HELPER void prefetch_out(const PrefillSeq& s, const Item& it, int64_t i) const {
-    prefetch_lines<true>(out + (s.first_query + it.i0 + i) * out_stride0 + it.g * o.group * out_stride1,
+    prefetch_lines<64, 3, true>(out + (s.first_query + it.i0 + i) * out_stride0 + it.g * o.group * out_stride1,
                          ((o.group - 1) * out_stride1 + o.head_size) * static_cast<int64_t>(sizeof(T)));
   }
 
