@@ -493,7 +493,7 @@ def test_the_build_keeps_the_prefetches_its_source_asks_for() -> None:
     assert min(prefill.values()) >= 3, found
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no compiler")
+@pytest.mark.skipif(shutil.which(_cpu_kernel._compiler()) is None, reason="no compiler")
 def test_kernel_is_active_where_a_compiler_exists() -> None:
     """With a C++ compiler present (as in CI), the kernel is built and used, not skipped."""
     status = _cpu_kernel.kernel_status()
@@ -959,7 +959,7 @@ def test_processes_building_at_once_build_once(tmp_path: Path) -> None:
 def test_processes_starting_together_all_get_the_kernel(tmp_path: Path) -> None:
     """Three processes using CPU_ATTN's kernel for the first time on an empty cache: all end
     with the compiled kernel, built once (the real compiler; about 20 s)."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if shutil.which(_cpu_kernel._compiler()) is None:
         pytest.skip("no C++ compiler")
     env = {**os.environ, _cpu_kernel.ENV_CACHE: str(tmp_path / "cache")}
     env.pop(_cpu_kernel.ENV_SWITCH, None)
@@ -1093,7 +1093,7 @@ print(json.dumps({
 """
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no compiler")
+@pytest.mark.skipif(shutil.which(_cpu_kernel._compiler()) is None, reason="no compiler")
 def test_a_build_never_loads_into_its_caller(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

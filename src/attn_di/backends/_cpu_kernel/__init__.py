@@ -319,16 +319,12 @@ def build(isa: str | None = None, verbose: bool = False, force: bool = False) ->
     damaged = not force and stamp.exists()
     compiler = _compiler()
     if shutil.which(compiler) is None:
-        missing = (
-            f"CXX={compiler!r} is not on PATH"
-            if os.environ.get("CXX")
-            else f"{compiler!r} is not on PATH"
-        )
-        install = (
-            "set CXX to an installed compiler, or unset it"
-            if os.environ.get("CXX")
-            else "install a C++ compiler (e.g. apt-get install g++)"
-        )
+        if os.environ.get("CXX"):  # asked for by name: installing another would not help
+            missing = f"CXX={compiler!r} is not on PATH"
+            install = "set CXX to an installed compiler, or unset it"
+        else:
+            missing = f"{compiler!r} is not on PATH"
+            install = "install a C++ compiler (e.g. apt-get install g++)"
         if damaged:
             raise _BuildError(
                 f"CPU_ATTN's kernel in {directory} is damaged (its size or checksum is not "
