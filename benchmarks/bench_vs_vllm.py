@@ -15,9 +15,9 @@ that load from other processes falls on both alike; the table gives medians and 
 attn_di / vLLM within this run. Both outputs are checked against a float64 reference of the
 same batch in the same run. For scale the run also measures the machine's roofs with the
 same threads: the GEMM throughput of ``torch.mm`` (float32 and bfloat16; a prefill's
-attention is GEMM-bound) and, for decode shapes, one pass reading the K/V a decode reads
-(a sum over attn_di's cache, timed in the same alternation, so it finds the caches in the
-state the contenders do).
+attention is GEMM-bound) and, for decode shapes, one pass reading as many bytes as a decode
+reads (a sum over a copy of attn_di's cache, timed in the same alternation, so that it finds
+the machine's caches in the state the contenders do without warming either's K/V).
 
 A decode row rereads one cache, which a large L3 (300 MB on the Xeon of docs/benchmarks.md)
 keeps whole between calls. The ``-cold`` rows give each contender one cache per layer
@@ -197,7 +197,10 @@ def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0, isa: str | None =
     reference = reference_attention(query, batch.keys, batch.values, shape)
     flops = 4.0 * b * shape.heads * size * sum(ctx - q + i + 1 for i in range(q))
     kv_bytes = 2.0 * b * ctx * kv_heads * size * batch.keys.element_size()
-    words = [c.view(torch.float32) if dtype != torch.float32 else c for c in caches]
+    # The read pass sums a copy of attn_di's caches, not the caches attn_di's op reads next:
+    # summing those would bring them into this core's caches just before attn_di's call (and
+    # push vLLM's out), favouring attn_di on the rows whose K/V stays in the L3.
+    words = [(c.view(torch.float32) if dtype != torch.float32 else c).clone() for c in caches]
     return Case(
         # the planes bound once, as vllm_peer binds vLLM's (indexing costs ~2 us a call)
         rotating([lambda k=c[0], v=c[1]: run_one(k, v) for c in caches]),
