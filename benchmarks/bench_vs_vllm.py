@@ -198,8 +198,9 @@ def make_case(shape: Shape, dtype: torch.dtype, seed: int = 0, isa: str | None =
     flops = 4.0 * b * shape.heads * size * sum(ctx - q + i + 1 for i in range(q))
     kv_bytes = 2.0 * b * ctx * kv_heads * size * batch.keys.element_size()
     # The read pass sums a copy of attn_di's caches, not the caches attn_di's op reads next:
-    # summing those would bring them into this core's caches just before attn_di's call (and
-    # push vLLM's out), favouring attn_di on the rows whose K/V stays in the L3.
+    # summing those brings them into this core's caches just before attn_di's call, which
+    # could favour attn_di on the rows whose K/V stays in the L3 (docs/benchmarks.md measured
+    # no such bias; the copy leaves nothing to measure).
     words = [(c.view(torch.float32) if dtype != torch.float32 else c).clone() for c in caches]
     return Case(
         # the planes bound once, as vllm_peer binds vLLM's (indexing costs ~2 us a call)
