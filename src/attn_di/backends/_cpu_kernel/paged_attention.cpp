@@ -1910,7 +1910,8 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   // else AVX512_BF16 scores and float32 FMA P V (bf16_paths() says which runs).
   kernel.amx = std::is_same_v<T, c10::BFloat16> && amx_state().usable && o.head_size % 32 == 0;
 #endif
-  // Longest items first, handed out one at a time: ragged batches stay balanced.
+  // Longest items first, each thread taking the next one left (and at most one more early,
+  // below): ragged batches stay balanced.
   auto work = [&](int64_t i) { return (items[i].stop - items[i].start) * seqs[items[i].seq].q_len; };
   std::vector<int64_t> order(items.size());
   std::iota(order.begin(), order.end(), 0);
