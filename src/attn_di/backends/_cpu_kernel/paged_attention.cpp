@@ -1931,11 +1931,12 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
       // eighth of one at the end. SmolLM2's decode from 30 layers' caches, AMD EPYC, four
       // alternating pairs, medians: bfloat16 0.93x -> 0.55x of vLLM's op on one thread,
       // 1.22x -> 0.83x on two; float32 0.82x -> 0.71x, 0.95x -> 0.83x (docs/benchmarks.md).
+      // The item checked is the item taken: the claim fails if another thread took it first.
       int64_t ahead = num_items;
-      const int64_t peek = next.load(std::memory_order_relaxed);
+      int64_t peek = next.load(std::memory_order_relaxed);
       if (num_items - peek >= workers && kernel.rows_fit_l2(items[order[at]]) &&
-          8 * work(order[peek]) >= 7 * work(order[at]))
-        ahead = next.fetch_add(1);
+          8 * work(order[peek]) >= 7 * work(order[at]) && next.compare_exchange_strong(peek, peek + 1))
+        ahead = peek;
       kernel.run_item(items[order[at]], scratch, ahead < num_items ? &items[order[ahead]] : nullptr);
       at = ahead < num_items ? ahead : next.fetch_add(1);
     }
