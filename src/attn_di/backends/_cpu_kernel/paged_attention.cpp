@@ -1373,21 +1373,37 @@ struct Kernel {
            l2_prefetch_budget();
   }
 
-  // `ahead`: the item this thread runs next, whose keys pass 2 fetches into L2, or nullptr.
-  void run_item(const Item& item, Scratch& sc, const Item* ahead = nullptr) const {
-    const Sequence& s = (*seqs)[item.seq];
-    bool tiles = false;  // both passes on AMX tiles (tile_scores, tile_values), the softmax below
+  // How run_item computes an item: kVector, both passes on vector registers (pass 2 is the
+  // one that fetches the next item's keys into L2); kTiles, the scores and P V on AMX tiles
+  // (tile_scores, tile_values) with the softmax on vector registers; kAmx, run_item_amx.
+  enum class Path { kVector, kTiles, kAmx };
+  Path path_of(const Item& item) const {
 #if defined(ATTN_DI_AMX)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      const bool on_tiles = amx && item.stop - item.start >= kAmxMinKeys;
-      tiles = on_tiles && s.q_len == 1 && o.group <= kTileScoresMaxGroup;
-      if (on_tiles && !tiles && s.q_len * o.group * o.head_size >= kAmxMinRowWork) {
+      const Sequence& s = (*seqs)[item.seq];
+      if (amx && item.stop - item.start >= kAmxMinKeys) {
+        if (s.q_len == 1 && o.group <= kTileScoresMaxGroup) return Path::kTiles;
+        if (s.q_len * o.group * o.head_size >= kAmxMinRowWork) return Path::kAmx;
+      }
+    }
+#endif
+    return Path::kVector;
+  }
+
+  // `ahead`: the item this thread runs next, whose keys pass 2 fetches into L2, or nullptr
+  // (given only for items of path_of kVector: the tile paths do not fetch them).
+  void run_item(const Item& item, Scratch& sc, const Item* ahead = nullptr) const {
+    const Sequence& s = (*seqs)[item.seq];
+    const Path path = path_of(item);
+#if defined(ATTN_DI_AMX)
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      if (path == Path::kAmx) {
         run_item_amx(item, sc);
         g_item_counts[0].fetch_add(1, std::memory_order_relaxed);
         return;
       }
-    }
 #endif
+    const bool tiles = path == Path::kTiles;  // the softmax below, between tile_scores and tile_values
     g_item_counts[tiles ? 1 : 2].fetch_add(1, std::memory_order_relaxed);
     const int64_t H = o.heads, G = o.group, D = o.head_size, row_width = o.kv_heads * D;
     const int64_t rows = s.q_len * H;  // row r = i * H + h
@@ -1925,7 +1941,8 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
     while (at < num_items) {
       // A thread takes its next item before it runs this one, so that pass 2, which reads its
       // values from L2 and leaves memory idle, fetches that item's keys into L2 (run_item's
-      // `ahead`; not on AMX tiles, where tile_values runs pass 2): where the keys fit, where
+      // `ahead`; only where pass 2 runs on vector registers: items on AMX tiles take theirs
+      // one at a time, as they did when last measured on a Xeon): where the keys fit, where
       // every other worker still finds an item left, and only an item of nearly this one's
       // work (>= 7/8), so that the item held costs a ragged batch's other threads at most an
       // eighth of one at the end. SmolLM2's decode from 30 layers' caches, AMD EPYC, four
@@ -1934,7 +1951,8 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
       // The item checked is the item taken: the claim fails if another thread took it first.
       int64_t ahead = num_items;
       int64_t peek = next.load(std::memory_order_relaxed);
-      if (num_items - peek >= workers && kernel.rows_fit_l2(items[order[at]]) &&
+      if (num_items - peek >= workers && kernel.path_of(items[order[at]]) == Kernel<T>::Path::kVector &&
+          kernel.rows_fit_l2(items[order[at]]) &&
           8 * work(order[peek]) >= 7 * work(order[at]) && next.compare_exchange_strong(peek, peek + 1))
         ahead = peek;
       kernel.run_item(items[order[at]], scratch, ahead < num_items ? &items[order[ahead]] : nullptr);
