@@ -1942,7 +1942,8 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
       // A thread takes its next item before it runs this one, so that pass 2, which reads its
       // values from L2 and leaves memory idle, fetches that item's keys into L2 (run_item's
       // `ahead`; only where pass 2 runs on vector registers: items on AMX tiles take theirs
-      // one at a time, as they did when last measured on a Xeon): where the keys fit, where
+      // one at a time, as they did when last measured on a Xeon): where this item's keys fit
+      // (the next item's, of no more work, are no more where every query is one token), where
       // every other worker still finds an item left, and only an item of nearly this one's
       // work (>= 7/8), so that the item held costs a ragged batch's other threads at most an
       // eighth of one at the end. SmolLM2's decode from 30 layers' caches, AMD EPYC, four
